@@ -1,0 +1,174 @@
+// vmmalloc arena: one reserved virtual range, a chunk table, mapping on demand.
+//
+// A chunk is one physical handle mapped by one backend map() call at one place in the
+// reservation. The arena owns: the reservation, the holes (unmapped VA), the chunk table and its
+// page map (page = granularity G; page -> chunk in O(1)), a cache of idle physical handles (created,
+// not mapped: reused with map + set_access only, skipping create, GMLake's "stitching"), and the
+// access policy applied to every mapping. It does not know about blocks: the heap tells it which
+// chunks are in use (`used` bytes per chunk) and asks for chunks to be mapped or released.
+//
+// Invariants (checked by check()):
+//   holes + chunks tile the reservation exactly, without overlap
+//   page_map[p] == id  <=>  page p lies inside chunk id
+//   mapped_bytes == sum(chunk.size),  physical_bytes == mapped_bytes + idle_bytes
+//   free_chunk_bytes == sum(chunk.size | chunk.used == 0)
+//
+// Every multi-step operation (create -> map -> set_access) rolls back on failure: a failed
+// map_chunk leaves handles, mappings and holes exactly as before.
+//
+// Thread safety: none here. The front end serialises heap and arena under its locks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vmmalloc/backend.hpp"
+
+namespace vmm {
+
+// ---- the options table: every tuning knob, its default and why -------------------------------
+struct options {
+  int device = 0;                                  // owner device (host backend: simulated id)
+  std::vector<access_desc> peers;                  // extra devices granted on every mapping
+  location_kind location = location_kind::device;  // device memory, or pinned host (host_numa)
+  compression_mode compression = compression_mode::off;  // prefer: fall back silently; require: fail
+  ipc_kind ipc = ipc_kind::none;                   // exportable handles (posix_fd, fabric)
+  std::size_t reservation_size = 0;                // VA reserved once; 0 = 2 x device memory
+  std::size_t memory_limit = std::numeric_limits<std::size_t>::max();  // cap on physical bytes
+  std::size_t min_chunk = 0;                       // smallest growth; 0 = granularity (2 MiB)
+  std::size_t max_growth = std::size_t{32} << 20;  // geometric growth stops doubling here
+  std::size_t release_threshold = std::numeric_limits<std::size_t>::max();  // free bytes kept mapped
+  bool stitch_on_grow = true;   // before creating memory, unmap wholly free chunks and reuse them
+  std::size_t alignment = 256;  // default alignment (cudaMalloc's guarantee, CCCL assumes it)
+  std::size_t small_max = std::size_t{64} << 10;   // <= this: size classes in slabs
+  std::size_t huge_threshold = std::size_t{256} << 20;  // >= this: a dedicated chunk
+};
+
+struct driver_counts {
+  std::uint64_t reserve = 0, free_reservation = 0, create = 0, release = 0, map = 0, unmap = 0,
+                set_access = 0, export_handle = 0, import_handle = 0, failures = 0;
+  std::uint64_t total() const {
+    return reserve + free_reservation + create + release + map + unmap + set_access +
+           export_handle + import_handle;
+  }
+};
+
+struct arena_stats {
+  std::size_t reserved = 0, mapped = 0, physical = 0, idle = 0, free_chunk_bytes = 0;
+  std::size_t peak_mapped = 0, peak_physical = 0;
+  std::size_t chunks = 0;
+  std::uint64_t stitched = 0;          // chunks mapped from idle handles (no create)
+  std::uint64_t compression_fallbacks = 0;
+  driver_counts calls;
+};
+
+class arena {
+ public:
+  static constexpr std::uint32_t no_chunk = std::numeric_limits<std::uint32_t>::max();
+
+  struct chunk {
+    std::uintptr_t va = 0;
+    std::size_t size = 0;       // 0 = slot unused
+    mem_handle handle = 0;
+    std::size_t used = 0;       // bytes of live blocks in this chunk (maintained by the heap)
+    fence_t fence = 0;          // last free's fence: wait for it before unmapping
+    std::uint32_t lru_prev = no_chunk, lru_next = no_chunk;  // list of wholly free chunks
+    std::uint32_t owner = 0;    // heap's tag for this chunk (0 = heap-managed span, 1 = huge, ...)
+    bool compressed = false;    // what the driver granted
+  };
+
+  arena(std::unique_ptr<backend_iface> b, const options& o);
+  ~arena();  // unmaps every chunk, releases every handle, frees the reservation
+  arena(const arena&) = delete;
+  arena& operator=(const arena&) = delete;
+
+  // Reserves the range and checks the policy. Must succeed before anything else is called.
+  status open();
+
+  std::size_t granularity() const { return gran_; }
+  std::uintptr_t base() const { return base_; }
+  std::size_t reservation_size() const { return size_; }
+  bool contains(std::uintptr_t a) const { return a - base_ < size_; }
+  std::size_t page_of(std::uintptr_t a) const { return (a - base_) / gran_; }
+  std::size_t pages() const { return page_map_.size(); }
+
+  // O(1): the chunk mapped at a (no_chunk if none).
+  std::uint32_t chunk_at(std::uintptr_t a) const {
+    return contains(a) ? page_map_[page_of(a)] : no_chunk;
+  }
+  chunk& get(std::uint32_t id) { return chunks_[id]; }
+  std::uint32_t chunk_slots() const { return static_cast<std::uint32_t>(chunks_.size()); }
+  const chunk& get(std::uint32_t id) const { return chunks_[id]; }
+
+  // Maps `size` bytes (multiple of G) as one or more chunks, contiguous in VA. With at != 0 the
+  // range must start exactly there (extending a span), else it goes in the lowest hole that fits.
+  // Idle handles are used first (stitching); the rest is created. Returns the VA, or 0 + status.
+  result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner);
+  // Whether [at, at+size) is an unmapped hole right now.
+  bool hole_at(std::uintptr_t at, std::size_t size) const;
+
+  // Unmaps a chunk (waiting for its fence first); its handle goes to the idle cache when
+  // keep_handle, else it is released. The VA returns to the holes.
+  status unmap_chunk(std::uint32_t id, bool keep_handle);
+
+  // Heap bookkeeping: bytes of live blocks per chunk; a chunk at 0 joins the free-chunk LRU.
+  void add_used(std::uint32_t id, std::size_t n);
+  void sub_used(std::uint32_t id, std::size_t n);
+  std::uint32_t oldest_free_chunk() const { return lru_head_; }
+  std::size_t free_chunk_bytes() const { return free_chunk_bytes_; }
+  std::size_t idle_bytes() const { return idle_bytes_; }
+
+  // Releases idle handles until idle_bytes() <= keep.
+  status release_idle(std::size_t keep);
+
+  void set_fence(std::uint32_t id, fence_t f);
+
+  arena_stats stats() const;
+  void reset_peaks();
+  // Verifies the invariants above; returns "" or what is wrong.
+  std::string check() const;
+
+  backend_iface& backend() { return *b_; }
+  const options& opts() const { return opt_; }
+  const chunk_props& props() const { return props_; }
+  std::span<const access_desc> access() const { return access_; }
+
+  // Counted backend calls (the thin layer: counts, live objects, errors).
+  status call_set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc> a);
+
+ private:
+  result<mem_handle> create_handle(std::size_t size);
+  std::uint32_t new_chunk_slot();
+  void lru_push(std::uint32_t id);
+  void lru_remove(std::uint32_t id);
+  void take_hole(std::uintptr_t va, std::size_t size);
+  void give_hole(std::uintptr_t va, std::size_t size);
+  void note_peaks();
+
+  std::unique_ptr<backend_iface> b_;
+  options opt_;
+  chunk_props props_;
+  std::vector<access_desc> access_;  // owner + peers, applied to every mapping
+  std::size_t gran_ = 0;
+  std::uintptr_t base_ = 0;
+  std::size_t size_ = 0;
+
+  std::vector<std::uint32_t> page_map_;
+  std::vector<chunk> chunks_;
+  std::vector<std::uint32_t> free_slots_;
+  std::map<std::uintptr_t, std::size_t> holes_;      // unmapped VA: start -> size
+  std::multimap<std::size_t, mem_handle> idle_;      // created, unmapped handles by size
+  std::uint32_t lru_head_ = no_chunk, lru_tail_ = no_chunk;
+
+  std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
+  std::size_t peak_mapped_ = 0, peak_physical_ = 0;
+  std::uint64_t stitched_ = 0, compression_fallbacks_ = 0;
+  driver_counts calls_;
+};
+
+}  // namespace vmm

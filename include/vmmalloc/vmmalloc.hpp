@@ -1,0 +1,117 @@
+// vmmalloc: a growable GPU memory allocator on CUDA's virtual memory management API.
+// The C++ front end. Layering (each includes only the one below):
+//   vmmalloc.hpp (front end) -> heap.hpp -> arena.hpp -> backend.hpp
+//
+//   vmm::allocator a;                          // CUDA device 0, driver loaded at run time
+//   void* p = a.allocate(1 << 20);             // throws vmm::out_of_memory / vmm::error
+//   a.deallocate(p);
+//   auto h = vmm::allocator::host();           // same semantics over host memory (no GPU)
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <system_error>
+
+#include "vmmalloc/heap.hpp"
+
+namespace vmm {
+
+const std::error_category& category() noexcept;
+inline std::error_code make_error_code(errc e) noexcept { return {static_cast<int>(e), category()}; }
+
+// A failure with the driver's code and name: "cuMemMap: CUDA_ERROR_INVALID_VALUE (1)".
+class error : public std::system_error {
+ public:
+  error(const status& s, const std::string& what);
+  const status& st() const noexcept { return st_; }
+
+ private:
+  status st_;
+};
+
+// Out of memory (physical, policy limit, or reservation). Catchable as std::bad_alloc.
+class out_of_memory : public std::bad_alloc {
+ public:
+  out_of_memory(const status& s, std::string what) : st_(s), what_(std::move(what)) {}
+  const char* what() const noexcept override { return what_.c_str(); }
+  const status& st() const noexcept { return st_; }
+
+ private:
+  status st_;
+  std::string what_;
+};
+
+// The last error on this thread (try_* calls and the C API set it).
+struct last_error_info {
+  status st;
+  std::string message;
+};
+const last_error_info& last_error() noexcept;
+
+struct allocator_stats {
+  // bytes: current and peak
+  std::size_t requested = 0, allocated = 0, mapped = 0, physical = 0, reserved = 0;
+  std::size_t peak_requested = 0, peak_allocated = 0, peak_mapped = 0, peak_physical = 0;
+  std::size_t chunks = 0, idle = 0, free_chunk_bytes = 0, slab_bytes = 0;
+  std::uint64_t allocs = 0, frees = 0, live = 0, deferred = 0;
+  std::uint64_t grows = 0, chunk_releases = 0, trims = 0, stitched = 0, compression_fallbacks = 0;
+  driver_counts calls;
+};
+
+class allocator {
+ public:
+  // CUDA backend on options.device. Throws vmm::error ("no CUDA driver ...") when unavailable.
+  explicit allocator(const options& o = {});
+  // Any backend (host, fault injection, ...). Throws vmm::error if the arena cannot open.
+  allocator(std::unique_ptr<backend_iface> b, const options& o);
+  ~allocator();
+  allocator(allocator&&) noexcept;
+  allocator& operator=(allocator&&) noexcept;
+
+  // A host-backend allocator: real host memory, GPU semantics, 2 MiB granularity by default.
+  static allocator host(const options& o = {}, const host_backend_options& h = {});
+
+  // alignment 0 = options.alignment (256). Throws out_of_memory or error; never returns null.
+  void* allocate(std::size_t bytes, std::size_t alignment = 0, stream_t s = nullptr);
+  // nullptr on failure, with last_error() set. Never throws.
+  void* try_allocate(std::size_t bytes, std::size_t alignment = 0, stream_t s = nullptr) noexcept;
+  // nullptr is a no-op. Throws vmm::error (errc::invalid_pointer) for foreign, interior or freed
+  // pointers; the allocator's state is untouched.
+  void deallocate(void* p, stream_t s = nullptr);
+  status try_deallocate(void* p, stream_t s = nullptr) noexcept;
+  // p is also used on s: its memory is reused only after s's work up to the free completes.
+  void record_stream(void* p, stream_t s);
+  std::size_t usable_size(const void* p) const;
+
+  // Releases empty slabs, free chunks and idle physical memory down to `keep` bytes kept.
+  void trim(std::size_t keep = 0);
+  allocator_stats stats() const;
+  void reset_peaks();
+  // Walks all metadata and verifies every invariant. "" when all hold, else what is wrong.
+  std::string check() const;
+
+  std::size_t granularity() const;
+  const options& opts() const;
+  backend_iface& backend();
+  // The concrete backend, e.g. backend_as<host_backend>() for its test controls; null if other.
+  template <vmm::backend B>
+  B* backend_as() {
+    auto* m = dynamic_cast<backend_model<B>*>(&backend());
+    return m ? &m->get() : nullptr;
+  }
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> p_;
+};
+
+// Throws the right exception for a failed status (out_of_memory for errc::out_of_memory).
+[[noreturn]] void throw_status(const status& s, const std::string& context);
+
+}  // namespace vmm
+
+template <>
+struct std::is_error_code_enum<vmm::errc> : std::true_type {};

@@ -1,0 +1,138 @@
+// C API over vmm::allocator. Exceptions never cross the boundary; every failure becomes a status
+// and the thread-local last error.
+#include "vmmalloc/vmmalloc.h"
+
+#include <string>
+
+#include "vmmalloc/vmmalloc.hpp"
+
+struct vmm_allocator {
+  vmm::allocator a;
+};
+
+namespace {
+thread_local vmm_status tl_status = VMM_SUCCESS;
+thread_local std::string tl_message;
+
+vmm_status to_c(vmm::errc e) { return static_cast<vmm_status>(static_cast<int>(e)); }
+vmm_status set(vmm_status s, std::string msg) {
+  tl_status = s;
+  tl_message = std::move(msg);
+  return s;
+}
+vmm_status ok() { return set(VMM_SUCCESS, {}); }
+vmm_status from_last() {
+  auto& le = vmm::last_error();
+  return set(to_c(le.st.kind), le.message);
+}
+vmm_status invalid(const char* what) { return set(VMM_ERROR_INVALID_VALUE, what); }
+}  // namespace
+
+extern "C" {
+
+void vmm_policy_init(vmm_policy* p) {
+  if (!p) return;
+  *p = vmm_policy{};
+  p->release_threshold = SIZE_MAX;
+}
+
+vmm_status vmm_create(const vmm_policy* p, vmm_allocator** out) {
+  if (!p || !out) return invalid("vmm_create: policy and out must not be NULL");
+  *out = nullptr;
+  vmm::options o;
+  o.device = p->device;
+  o.location = p->location == VMM_LOCATION_HOST_NUMA ? vmm::location_kind::host_numa : vmm::location_kind::device;
+  if (p->compression > VMM_COMPRESSION_REQUIRE || p->ipc > VMM_IPC_FABRIC) return invalid("vmm_create: bad enum value in policy");
+  o.compression = static_cast<vmm::compression_mode>(p->compression);
+  o.ipc = static_cast<vmm::ipc_kind>(p->ipc);
+  o.reservation_size = p->reservation_size;
+  if (p->memory_limit) o.memory_limit = p->memory_limit;
+  o.release_threshold = p->release_threshold;
+  o.min_chunk = p->min_chunk;
+  if (p->max_growth) o.max_growth = p->max_growth;
+  if (p->alignment) {
+    if (p->alignment & (p->alignment - 1)) return invalid("vmm_create: alignment is not a power of two");
+    o.alignment = p->alignment;
+  }
+  try {
+    if (p->backend == VMM_BACKEND_HOST) {
+      vmm::host_backend_options h;
+      if (p->host_granularity) h.granularity = p->host_granularity;
+      if (p->host_physical_limit) h.physical_limit = p->host_physical_limit;
+      *out = new vmm_allocator{vmm::allocator::host(o, h)};
+    } else if (p->backend == VMM_BACKEND_CUDA) {
+      *out = new vmm_allocator{vmm::allocator(o)};
+    } else {
+      return invalid("vmm_create: unknown backend");
+    }
+  } catch (const vmm::error& e) {
+    return set(to_c(e.st().kind), e.what());
+  } catch (const vmm::out_of_memory& e) {
+    return set(VMM_ERROR_OUT_OF_MEMORY, e.what());
+  } catch (const std::exception& e) {
+    return set(VMM_ERROR_OTHER, e.what());
+  }
+  return ok();
+}
+
+void vmm_destroy(vmm_allocator* a) { delete a; }
+
+void* vmm_malloc_async(vmm_allocator* a, size_t size, void* stream) {
+  if (!a) return invalid("vmm_malloc: allocator is NULL"), nullptr;
+  void* p = a->a.try_allocate(size, 0, stream);
+  if (!p) from_last(); else ok();
+  return p;
+}
+void* vmm_malloc(vmm_allocator* a, size_t size) { return vmm_malloc_async(a, size, nullptr); }
+
+void* vmm_aligned_alloc(vmm_allocator* a, size_t alignment, size_t size) {
+  if (!a) return invalid("vmm_aligned_alloc: allocator is NULL"), nullptr;
+  if (alignment == 0) return invalid("vmm_aligned_alloc: alignment 0"), nullptr;
+  void* p = a->a.try_allocate(size, alignment, nullptr);
+  if (!p) from_last(); else ok();
+  return p;
+}
+
+vmm_status vmm_free_async(vmm_allocator* a, void* ptr, void* stream) {
+  if (!a) return invalid("vmm_free: allocator is NULL");
+  return a->a.try_deallocate(ptr, stream).ok() ? ok() : from_last();
+}
+vmm_status vmm_free(vmm_allocator* a, void* ptr) { return vmm_free_async(a, ptr, nullptr); }
+
+vmm_status vmm_trim(vmm_allocator* a, size_t keep) {
+  if (!a) return invalid("vmm_trim: allocator is NULL");
+  try {
+    a->a.trim(keep);
+  } catch (const vmm::error& e) {
+    return set(to_c(e.st().kind), e.what());
+  } catch (const vmm::out_of_memory& e) {
+    return set(VMM_ERROR_OUT_OF_MEMORY, e.what());
+  }
+  return ok();
+}
+
+vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out) {
+  if (!a || !out) return invalid("vmm_get_stats: NULL argument");
+  auto s = a->a.stats();
+  *out = vmm_stats{s.requested, s.allocated, s.mapped, s.physical, s.reserved,
+                   s.peak_requested, s.peak_allocated, s.peak_mapped, s.peak_physical,
+                   s.chunks, s.allocs, s.frees, s.live,
+                   s.calls.total(), s.calls.create, s.calls.map, s.calls.unmap, s.calls.set_access, s.calls.release};
+  return ok();
+}
+
+vmm_status vmm_check(vmm_allocator* a) {
+  if (!a) return invalid("vmm_check: allocator is NULL");
+  std::string why = a->a.check();
+  return why.empty() ? ok() : set(VMM_ERROR_OTHER, "vmm_check: " + why);
+}
+
+vmm_status vmm_last_status(void) { return tl_status; }
+const char* vmm_last_error(void) { return tl_message.c_str(); }
+
+const char* vmm_status_string(vmm_status s) {
+  if (s < VMM_SUCCESS || s > VMM_ERROR_OTHER) return "unknown status";
+  return vmm::errc_name(static_cast<vmm::errc>(s));
+}
+
+}  // extern "C"

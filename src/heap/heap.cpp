@@ -1,0 +1,980 @@
+// heap: size classes in slabs (small), TLSF good fit over spans (large), dedicated chunks (huge).
+// See heap.hpp for the invariants and the stream rules.
+#include "vmmalloc/heap.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cassert>
+
+namespace vmm {
+
+namespace {
+constexpr std::size_t kUnit = 256;  // minimum block size and alignment
+constexpr int kSlLog2 = 5, kSlCount = 1 << kSlLog2, kFlCount = 48;
+constexpr std::uint32_t kOwnerSpan = 0, kOwnerHuge = 1;
+
+inline int msb(std::uint64_t x) { return 63 - __builtin_clzll(x); }
+inline std::size_t align_up(std::size_t n, std::size_t a) { return (n + a - 1) & ~(a - 1); }
+inline std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1) / g * g; }
+status fail(errc k, const char* name) { return {k, 0, name, "heap"}; }
+
+// TLSF mapping over 256-byte units: sizes < 8 KiB map linearly, above that 32 lists per octave.
+inline void mapping(std::size_t size, int& fl, int& sl) {
+  std::uint64_t u = size / kUnit;
+  if (u < kSlCount) {
+    fl = 0;
+    sl = static_cast<int>(u);
+  } else {
+    int m = msb(u);
+    fl = m - kSlLog2 + 1;
+    sl = static_cast<int>((u >> (m - kSlLog2)) - kSlCount);
+  }
+}
+// Rounds up to the next list boundary so any block found there fits ("good fit", O(1)).
+inline void search_mapping(std::size_t size, int& fl, int& sl) {
+  std::uint64_t u = size / kUnit;
+  if (u >= kSlCount) u += (std::uint64_t{1} << (msb(u) - kSlLog2)) - 1;
+  mapping(u * kUnit, fl, sl);
+}
+}  // namespace
+
+struct heap::impl {
+  enum : std::uint8_t { f_free = 1, f_sentinel = 2, f_slab = 4, f_huge = 8, f_tagged = 16 };
+
+  struct block {
+    std::uintptr_t addr = 0;
+    std::size_t size = 0;
+    block* prev_phys = nullptr;  // neighbours in the span (null at the span's start)
+    block* next_phys = nullptr;  // the span's sentinel after its last block
+    block* prev_free = nullptr;  // TLSF list links (free blocks only)
+    block* next_free = nullptr;
+    block* page_prev = nullptr;  // chain of blocks starting in the same page (O(1) free lookup)
+    block* page_next = nullptr;
+    std::size_t requested = 0;   // bytes asked for (live blocks)
+    stream_t stream = nullptr;   // live: allocating stream; free + f_tagged: freeing stream
+    std::uint64_t free_seq = 0;  // value of seq when freed
+    std::uint8_t flags = 0;
+  };
+
+  struct slab {
+    std::uintptr_t base = 0;
+    block* blk = nullptr;
+    stream_t stream = nullptr;
+    std::uint32_t cls = 0, slot = 0, nslots = 0, used = 0;  // used counts live + deferred slots
+    std::vector<std::uint32_t> free;   // stack of free slot indices: pop = O(1)
+    std::vector<std::uint64_t> live;   // bitmap: double-free detection
+    std::vector<std::uint32_t> req;    // requested bytes per slot
+    slab* prev = nullptr;              // class list of slabs with a free slot
+    slab* next = nullptr;
+    bool listed = false;
+  };
+
+  struct stream_state {
+    fence_t fence = 0;
+    std::uint64_t fence_seq = 0;  // the fence covers every free with free_seq < fence_seq
+    bool done = true;
+  };
+
+  struct deferred {  // a free waiting for fences of extra streams (record_stream, cross-stream)
+    std::uintptr_t p;
+    stream_t s;
+    std::vector<fence_t> fences;
+  };
+
+  struct page_entry {
+    slab* s = nullptr;
+    block* starts = nullptr;
+  };
+
+  arena& a;
+  std::size_t G;
+  std::vector<page_entry> pages;
+
+  std::uint64_t fl_bitmap = 0;
+  std::uint32_t sl_bitmap[kFlCount] = {};
+  block* lists[kFlCount][kSlCount] = {};
+
+  std::map<std::uintptr_t, block*> span_ends;        // sentinel address -> sentinel
+  std::multimap<std::size_t, block*> huge_cache;     // free huge blocks by size
+  std::unordered_map<stream_t, stream_state> streams;
+  std::unordered_map<std::uintptr_t, std::vector<stream_t>> extra_streams;
+  std::vector<deferred> deferred_frees;
+  std::uint64_t seq = 0;
+  std::size_t next_growth;
+
+  // size classes: multiples of 256 up to 2 KiB, then 4 per octave, up to small_max
+  std::vector<std::uint32_t> class_size;
+  std::vector<std::uint8_t> class_of_units;  // index (n + 255) / 256
+  std::unordered_map<stream_t, std::vector<slab*>> class_heads;
+  stream_t last_stream = nullptr;
+  std::vector<slab*>* last_heads = nullptr;
+
+  // block pool: no malloc per split on the hot path
+  std::vector<std::unique_ptr<block[]>> pool;
+  std::vector<block*> pool_free;
+
+  heap_stats st;
+
+  explicit impl(arena& ar) : a(ar), G(ar.granularity()), pages(ar.pages()) {
+    next_growth = ar.opts().min_chunk;
+    std::size_t small_max = std::min<std::size_t>(ar.opts().small_max, G / 8);
+    small_max = small_max / kUnit * kUnit;
+    for (std::size_t s = kUnit; s <= std::min<std::size_t>(2048, small_max); s += kUnit)
+      class_size.push_back(static_cast<std::uint32_t>(s));
+    for (std::size_t oct = 2048; oct < small_max; oct *= 2)
+      for (std::size_t i = 1; i <= 4; ++i) {
+        std::size_t s = oct + oct / 4 * i;
+        if (s <= small_max) class_size.push_back(static_cast<std::uint32_t>(s));
+      }
+    class_of_units.assign(small_max / kUnit + 1, 0);
+    std::size_t c = 0;
+    for (std::size_t u = 1; u < class_of_units.size(); ++u) {
+      while (class_size[c] < u * kUnit) ++c;
+      class_of_units[u] = static_cast<std::uint8_t>(c);
+    }
+  }
+
+  std::size_t small_limit() const { return class_size.empty() ? 0 : class_size.back(); }
+
+  // ---- block pool and page chains ----
+  block* new_block() {
+    if (pool_free.empty()) {
+      constexpr std::size_t n = 256;
+      pool.emplace_back(new block[n]);
+      for (std::size_t i = 0; i < n; ++i) pool_free.push_back(&pool.back()[i]);
+    }
+    block* b = pool_free.back();
+    pool_free.pop_back();
+    *b = block{};
+    return b;
+  }
+  void delete_block(block* b) { pool_free.push_back(b); }
+
+  void link_page(block* b) {
+    auto& e = pages[a.page_of(b->addr)];
+    b->page_prev = nullptr;
+    b->page_next = e.starts;
+    if (e.starts) e.starts->page_prev = b;
+    e.starts = b;
+  }
+  void unlink_page(block* b) {
+    if (b->page_prev) b->page_prev->page_next = b->page_next;
+    else pages[a.page_of(b->addr)].starts = b->page_next;
+    if (b->page_next) b->page_next->page_prev = b->page_prev;
+    b->page_prev = b->page_next = nullptr;
+  }
+  block* block_at(std::uintptr_t p) const {
+    for (block* b = pages[a.page_of(p)].starts; b; b = b->page_next)
+      if (b->addr == p) return b;
+    return nullptr;
+  }
+  // Block whose range holds p (slow path: walks back over pages of a long block).
+  block* block_containing(std::uintptr_t p) const {
+    for (std::size_t pg = a.page_of(p);; --pg) {
+      block* best = nullptr;
+      for (block* b = pages[pg].starts; b; b = b->page_next)
+        if (b->addr <= p && (!best || b->addr > best->addr)) best = b;
+      if (best) return best->addr + best->size > p ? best : nullptr;
+      if (pg == 0) return nullptr;
+    }
+  }
+
+  // ---- TLSF free lists ----
+  void insert_free(block* b) {
+    int fl, sl;
+    mapping(b->size, fl, sl);
+    b->prev_free = nullptr;
+    b->next_free = lists[fl][sl];
+    if (b->next_free) b->next_free->prev_free = b;
+    lists[fl][sl] = b;
+    fl_bitmap |= std::uint64_t{1} << fl;
+    sl_bitmap[fl] |= 1u << sl;
+  }
+  void remove_free(block* b) {
+    int fl, sl;
+    mapping(b->size, fl, sl);
+    if (b->prev_free) b->prev_free->next_free = b->next_free;
+    else lists[fl][sl] = b->next_free;
+    if (b->next_free) b->next_free->prev_free = b->prev_free;
+    b->prev_free = b->next_free = nullptr;
+    if (!lists[fl][sl]) {
+      sl_bitmap[fl] &= ~(1u << sl);
+      if (!sl_bitmap[fl]) fl_bitmap &= ~(std::uint64_t{1} << fl);
+    }
+  }
+
+  // ---- streams ----
+  // Whether a fence recorded on s after free number `seq_at_free` has completed. Records the
+  // fence lazily (first time another stream asks) and only queries it: never waits.
+  bool fence_covers(stream_t s, std::uint64_t seq_at_free) {
+    stream_state& ss = streams[s];
+    if (ss.fence_seq <= seq_at_free) {
+      auto r = a.backend().record_fence(s);
+      if (!r.ok()) return false;
+      if (ss.fence) a.backend().drop_fence(ss.fence);
+      ss.fence = r.value;
+      ss.fence_seq = seq + 1;
+      ss.done = false;
+    }
+    if (!ss.done) ss.done = a.backend().fence_done(ss.fence);
+    return ss.done;
+  }
+  status wait_covered(stream_t s, std::uint64_t seq_at_free) {
+    if (fence_covers(s, seq_at_free)) return {};
+    stream_state& ss = streams[s];
+    status w = a.backend().wait_fence(ss.fence);  // only this stream, never the device
+    if (w.ok()) ss.done = true;
+    return w;
+  }
+  bool usable(block* b, stream_t x) {
+    return !(b->flags & f_tagged) || b->stream == x || fence_covers(b->stream, b->free_seq);
+  }
+  static bool compatible(const block* l, const block* r) {
+    if (!(l->flags & f_free) || !(r->flags & f_free)) return false;
+    if ((l->flags | r->flags) & f_sentinel) return false;
+    bool lt = l->flags & f_tagged, rt = r->flags & f_tagged;
+    return lt == rt && (!lt || l->stream == r->stream);
+  }
+
+  block* find_free(std::size_t size, stream_t x) {
+    if (block* b = find_good_fit(size, x)) return b;
+    // The good-fit search skips the list holding `size` itself; a block there may still fit
+    // (a span grown to exactly the request lands in it). Bounded scan.
+    int fl, sl, scanned = 0;
+    mapping(size, fl, sl);
+    for (block* b = lists[fl][sl]; b && scanned < 32; b = b->next_free, ++scanned)
+      if (b->size >= size && usable(b, x)) return b;
+    return nullptr;
+  }
+
+  block* find_good_fit(std::size_t size, stream_t x) {
+    int fl, sl;
+    search_mapping(size, fl, sl);
+    while (fl < kFlCount) {
+      std::uint32_t bits = sl_bitmap[fl] & (~0u << sl);
+      if (!bits) {
+        std::uint64_t fb = fl + 1 < 64 ? fl_bitmap & (~std::uint64_t{0} << (fl + 1)) : 0;
+        if (!fb) return nullptr;
+        fl = std::countr_zero(fb);
+        bits = sl_bitmap[fl];
+      }
+      sl = std::countr_zero(bits);
+      int scanned = 0;  // bounded scan: blocks held back by other streams' fences are skipped
+      for (block* b = lists[fl][sl]; b && scanned < 16; b = b->next_free, ++scanned)
+        if (b->size >= size && usable(b, x)) return b;
+      if (++sl == kSlCount) sl = 0, ++fl;
+    }
+    return nullptr;
+  }
+
+  // ---- split, merge, chunk accounting ----
+  block* split(block* b, std::uintptr_t at) {
+    block* nb = new_block();
+    nb->addr = at;
+    nb->size = b->addr + b->size - at;
+    nb->flags = b->flags & (f_free | f_tagged);
+    nb->stream = b->stream;
+    nb->free_seq = b->free_seq;
+    nb->prev_phys = b;
+    nb->next_phys = b->next_phys;
+    if (b->next_phys) b->next_phys->prev_phys = nb;
+    b->next_phys = nb;
+    b->size = at - b->addr;
+    link_page(nb);
+    return nb;
+  }
+  void absorb(block* l, block* r) {  // l, r adjacent, neither in a free list
+    l->size += r->size;
+    l->free_seq = std::max(l->free_seq, r->free_seq);
+    l->next_phys = r->next_phys;
+    if (r->next_phys) r->next_phys->prev_phys = l;
+    unlink_page(r);
+    delete_block(r);
+  }
+  void account(std::uintptr_t addr, std::size_t size, bool add) {
+    for (std::uintptr_t x = addr, end = addr + size; x < end;) {
+      std::uint32_t id = a.chunk_at(x);
+      auto& c = a.get(id);
+      std::size_t n = std::min<std::uintptr_t>(end, c.va + c.size) - x;
+      if (add) a.add_used(id, n); else a.sub_used(id, n);
+      x += n;
+    }
+  }
+
+  // ---- large path ----
+  result<block*> allocate_large(std::size_t n, std::size_t align, stream_t x) {
+    std::size_t size = align_up(std::max<std::size_t>(n, 1), kUnit);
+    std::size_t need = size + (align > kUnit ? align - kUnit : 0);
+    if (size < n || need < size) return {nullptr, fail(errc::out_of_memory, "size overflows")};
+    block* b = find_free(need, x);
+    if (!b) {
+      status g = grow(need, x);
+      if (!g.ok()) return {nullptr, g};
+      b = find_free(need, x);
+      if (!b) return {nullptr, fail(errc::out_of_memory, "no block fits after growth")};
+    }
+    remove_free(b);
+    if (align > kUnit) {
+      std::uintptr_t at = align_up(b->addr, align);
+      if (at > b->addr) {
+        block* nb = split(b, at);
+        insert_free(b);
+        b = nb;
+      }
+    }
+    if (b->size - size >= kUnit) insert_free(split(b, b->addr + size));
+    b->flags = 0;
+    b->requested = n;
+    b->stream = x;
+    account(b->addr, b->size, true);
+    return {b, {}};
+  }
+
+  void free_large(block* b, stream_t s) {
+    account(b->addr, b->size, false);
+    b->flags = f_free | f_tagged;
+    b->stream = s;
+    b->free_seq = ++seq;
+    b->requested = 0;
+    if (b->prev_phys && compatible(b->prev_phys, b)) {
+      block* l = b->prev_phys;
+      remove_free(l);
+      absorb(l, b);
+      b = l;
+    }
+    if (b->next_phys && compatible(b, b->next_phys)) {
+      remove_free(b->next_phys);
+      absorb(b, b->next_phys);
+    }
+    insert_free(b);
+  }
+
+  // Adds mapped [va, va+size) to the spans: extends the span ending at va, or starts a new one.
+  void add_span_range(std::uintptr_t va, std::size_t size) {
+    block* nb = new_block();
+    nb->addr = va;
+    nb->size = size;
+    nb->flags = f_free;
+    auto it = span_ends.find(va);
+    if (it != span_ends.end()) {
+      block* s = it->second;
+      block* tail = s->prev_phys;
+      nb->prev_phys = tail;
+      nb->next_phys = s;
+      tail->next_phys = nb;
+      s->prev_phys = nb;
+      span_ends.erase(it);
+      s->addr = va + size;
+      span_ends[s->addr] = s;
+      link_page(nb);
+      if ((tail->flags & f_free) && !(tail->flags & f_sentinel)) {
+        // Fresh memory takes the tail's stream tag so the two can serve one request.
+        nb->flags = tail->flags & (f_free | f_tagged);
+        nb->stream = tail->stream;
+        nb->free_seq = tail->free_seq;
+        remove_free(tail);
+        absorb(tail, nb);
+        nb = tail;
+      }
+    } else {
+      block* s = new_block();
+      s->addr = va + size;
+      s->flags = f_sentinel;
+      nb->next_phys = s;
+      s->prev_phys = nb;
+      span_ends[s->addr] = s;
+      link_page(nb);
+    }
+    insert_free(nb);
+  }
+
+  status grow(std::size_t need, stream_t x) {
+    ++st.grows;
+    std::size_t size = round_up(need, G);
+    if (a.opts().stitch_on_grow) {
+      status e = evict_free_chunks(size, true);  // reuse wholly free chunks' physical memory
+      if (!e.ok()) return e;
+    }
+    // Prefer extending a span whose free tail this stream may use: less new memory, one block.
+    std::uintptr_t at = 0;
+    std::size_t best_tail = 0, ext = size;
+    bool found = false;
+    for (auto& [end, s] : span_ends) {
+      block* t = s->prev_phys;
+      std::size_t tail = (t && (t->flags & f_free) && usable(t, x)) ? t->size : 0;
+      std::size_t e = round_up(need - std::min(tail, need), G);
+      if (e == 0) e = G;
+      if ((!found || tail > best_tail) && a.hole_at(end, e)) {
+        found = true, at = end, best_tail = tail, ext = e;
+      }
+    }
+    // Repeated growth is geometric (driver cost is per call), capped by max_growth.
+    std::size_t geo = std::min(next_growth, std::max(a.opts().max_growth, G));
+    std::size_t want = ext;
+    if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
+    auto r = a.map_range(want, at, kOwnerSpan);
+    if (!r.ok() && want != ext) {
+      want = ext;
+      r = a.map_range(want, at, kOwnerSpan);
+    }
+    if (!r.ok() && at) {  // the hole after the span is gone: start a new span
+      want = size;
+      r = a.map_range(want, 0, kOwnerSpan);
+    }
+    if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
+      status e = evict_free_chunks(~std::size_t{0}, true);  // last resort: all free chunks
+      if (!e.ok()) return e;
+      want = size;
+      r = a.map_range(want, 0, kOwnerSpan);
+    }
+    if (!r.ok()) return r.st;
+    add_span_range(r.value, want);
+    next_growth = std::min(next_growth * 2, std::max(a.opts().max_growth, G));
+    return {};
+  }
+
+  // ---- releasing chunks ----
+  // Unmaps wholly free chunks, oldest first, until the arena holds `target` idle bytes (or none
+  // are left). keep_handle: the physical memory stays for stitching; else it is released.
+  status evict_free_chunks(std::size_t target, bool keep_handle) {
+    while (a.oldest_free_chunk() != arena::no_chunk && a.idle_bytes() < target) {
+      status s = release_chunk(a.oldest_free_chunk(), keep_handle);
+      if (!s.ok()) return s;
+    }
+    return {};
+  }
+
+  status release_chunk(std::uint32_t id, bool keep_handle) {
+    auto& c = a.get(id);
+    assert(c.used == 0);
+    ++st.chunk_releases;
+    next_growth = a.opts().min_chunk;  // memory pressure: grow gently again
+    if (c.owner == kOwnerHuge) return release_huge(block_at(c.va), keep_handle);
+    std::uintptr_t cs = c.va, ce = c.va + c.size;
+    block* first = block_containing(cs);
+    block* last = first;
+    while (last->addr + last->size < ce) last = last->next_phys;
+    for (block* b = first;; b = b->next_phys) {  // wait only for this chunk's streams
+      assert(b->flags & f_free);
+      if (b->flags & f_tagged) {
+        status w = wait_covered(b->stream, b->free_seq);
+        if (!w.ok()) return w;
+      }
+      if (b == last) break;
+    }
+    status u = a.unmap_chunk(id, keep_handle);
+    if (!u.ok()) return u;
+    // Cut [cs, ce) out of the span: split the edges, drop the middle, fix the span ends.
+    for (block* b = first;; b = b->next_phys) {
+      remove_free(b);
+      if (b == last) break;
+    }
+    block* left = nullptr;
+    block* right = nullptr;
+    if (first->addr < cs) {
+      left = first;
+      first = split(first, cs);
+      if (last == left) last = first;
+    }
+    if (last->addr + last->size > ce) right = split(last, ce);
+    block* pred = first->prev_phys;
+    block* succ = last->next_phys;
+    for (block* b = first;;) {
+      block* nx = b->next_phys;
+      bool end = b == last;
+      unlink_page(b);
+      delete_block(b);
+      if (end) break;
+      b = nx;
+    }
+    bool succ_is_end = succ->flags & f_sentinel;
+    if (pred) {
+      block* s;
+      if (succ_is_end) {  // nothing right of the chunk: the old sentinel moves to cs
+        span_ends.erase(succ->addr);
+        s = succ;
+      } else {
+        s = new_block();
+        s->flags = f_sentinel;
+        succ->prev_phys = nullptr;
+      }
+      s->addr = cs;
+      s->prev_phys = pred;
+      pred->next_phys = s;
+      span_ends[cs] = s;
+    } else if (succ_is_end) {
+      span_ends.erase(succ->addr);
+      delete_block(succ);
+    } else {
+      succ->prev_phys = nullptr;
+    }
+    if (left) insert_free(left);
+    if (right) insert_free(right);
+    return {};
+  }
+
+  status release_huge(block* b, bool keep_handle) {
+    assert(b && (b->flags & f_huge) && (b->flags & f_free));
+    if (b->flags & f_tagged) {
+      status w = wait_covered(b->stream, b->free_seq);
+      if (!w.ok()) return w;
+    }
+    // A huge block may be stitched from several chunks: unmap from the end, shrinking the block,
+    // so a failure part-way leaves a consistent (smaller) cached block.
+    while (b->size) {
+      std::uint32_t id = a.chunk_at(b->addr + b->size - 1);
+      std::size_t cs = a.get(id).size;
+      status u = a.unmap_chunk(id, keep_handle);
+      if (!u.ok()) return u;
+      uncache_huge(b);
+      b->size -= cs;
+      if (b->size) huge_cache.emplace(b->size, b);
+    }
+    unlink_page(b);
+    delete_block(b);
+    return {};
+  }
+  void uncache_huge(block* b) {
+    auto [lo, hi] = huge_cache.equal_range(b->size);
+    for (auto it = lo; it != hi; ++it)
+      if (it->second == b) {
+        huge_cache.erase(it);
+        return;
+      }
+  }
+
+  // ---- huge path ----
+  result<block*> allocate_huge(std::size_t n, stream_t x) {
+    std::size_t size = round_up(n, G);
+    if (size < n) return {nullptr, fail(errc::out_of_memory, "size overflows")};
+    // A cached chunk of the same size (up to 1/8 larger) costs no driver call at all.
+    for (auto it = huge_cache.lower_bound(size); it != huge_cache.end() && it->first <= size + size / 8; ++it) {
+      block* b = it->second;
+      if (!usable(b, x)) continue;
+      huge_cache.erase(it);
+      b->flags = f_huge;
+      b->requested = n;
+      b->stream = x;
+      account(b->addr, b->size, true);
+      return {b, {}};
+    }
+    if (a.opts().stitch_on_grow) {
+      status e = evict_free_chunks(size, true);
+      if (!e.ok()) return {nullptr, e};
+    }
+    auto r = a.map_range(size, 0, kOwnerHuge);
+    if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
+      status e = evict_free_chunks(~std::size_t{0}, true);
+      if (!e.ok()) return {nullptr, e};
+      r = a.map_range(size, 0, kOwnerHuge);
+    }
+    if (!r.ok()) return {nullptr, r.st};
+    block* b = new_block();
+    b->addr = r.value;
+    b->size = size;
+    b->flags = f_huge;
+    b->requested = n;
+    b->stream = x;
+    link_page(b);
+    account(b->addr, b->size, true);
+    return {b, {}};
+  }
+
+  void free_huge(block* b, stream_t s) {
+    account(b->addr, b->size, false);
+    b->flags = f_huge | f_free | f_tagged;
+    b->stream = s;
+    b->free_seq = ++seq;
+    b->requested = 0;
+    huge_cache.emplace(b->size, b);
+  }
+
+  // ---- small path ----
+  std::vector<slab*>& heads_for(stream_t x) {
+    if (last_heads && last_stream == x) return *last_heads;
+    auto& v = class_heads[x];
+    if (v.empty()) v.assign(class_size.size(), nullptr);
+    last_stream = x;
+    last_heads = &v;  // unordered_map references stay valid across rehash
+    return v;
+  }
+  void list_push(std::vector<slab*>& heads, slab* s) {
+    s->prev = nullptr;
+    s->next = heads[s->cls];
+    if (s->next) s->next->prev = s;
+    heads[s->cls] = s;
+    s->listed = true;
+  }
+  void list_remove(std::vector<slab*>& heads, slab* s) {
+    if (s->prev) s->prev->next = s->next; else heads[s->cls] = s->next;
+    if (s->next) s->next->prev = s->prev;
+    s->prev = s->next = nullptr;
+    s->listed = false;
+  }
+
+  result<slab*> new_slab(std::uint32_t cls, stream_t x) {
+    auto r = allocate_large(G, G, x);
+    if (!r.ok()) return {nullptr, r.st};
+    block* b = r.value;
+    b->flags = f_slab;
+    auto s = std::make_unique<slab>();
+    s->base = b->addr;
+    s->blk = b;
+    s->stream = x;
+    s->cls = cls;
+    s->slot = class_size[cls];
+    s->nslots = static_cast<std::uint32_t>(G / s->slot);
+    s->free.resize(s->nslots);
+    for (std::uint32_t i = 0; i < s->nslots; ++i) s->free[i] = s->nslots - 1 - i;
+    s->live.assign((s->nslots + 63) / 64, 0);
+    s->req.assign(s->nslots, 0);
+    pages[a.page_of(b->addr)].s = s.get();
+    st.slab_bytes += G;
+    ++st.slabs;
+    return {s.release(), {}};
+  }
+
+  void destroy_slab(slab* s) {
+    auto& heads = heads_for(s->stream);
+    if (s->listed) list_remove(heads, s);
+    pages[a.page_of(s->base)].s = nullptr;
+    st.slab_bytes -= G;
+    --st.slabs;
+    free_large(s->blk, s->stream);
+    delete s;
+  }
+
+  result<std::uintptr_t> allocate_small(std::size_t n, stream_t x) {
+    std::uint32_t cls = class_of_units[(n + kUnit - 1) / kUnit];
+    auto& heads = heads_for(x);
+    slab* s = heads[cls];
+    if (!s) {
+      if (!deferred_frees.empty()) poll_deferred(false);
+      s = heads[cls];
+      if (!s) {
+        auto r = new_slab(cls, x);
+        if (!r.ok()) return {0, r.st};
+        s = r.value;
+        list_push(heads, s);
+      }
+    }
+    std::uint32_t i = s->free.back();  // pop a free slot: the fast path
+    s->free.pop_back();
+    ++s->used;
+    s->live[i / 64] |= std::uint64_t{1} << (i % 64);
+    s->req[i] = static_cast<std::uint32_t>(n);
+    if (s->free.empty()) list_remove(heads, s);
+    note_alloc(n, s->slot);
+    return {s->base + std::uintptr_t{i} * s->slot, {}};
+  }
+
+  void release_slot(slab* s, std::uint32_t i) {
+    auto& heads = heads_for(s->stream);
+    s->free.push_back(i);
+    --s->used;
+    if (!s->listed) list_push(heads, s);
+    // Keep one empty slab per class and stream; give further empty ones back to the large heap.
+    if (s->used == 0 && (heads[s->cls] != s || s->next)) destroy_slab(s);
+  }
+
+  // ---- deferred frees (record_stream, cross-stream small frees) ----
+  void poll_deferred(bool wait) {
+    for (std::size_t i = 0; i < deferred_frees.size();) {
+      auto& d = deferred_frees[i];
+      bool done = true;
+      for (auto f : d.fences) {
+        if (wait) a.backend().wait_fence(f);
+        done = done && a.backend().fence_done(f);
+      }
+      if (!done) {
+        ++i;
+        continue;
+      }
+      for (auto f : d.fences) a.backend().drop_fence(f);
+      deferred d2 = std::move(d);
+      deferred_frees[i] = std::move(deferred_frees.back());
+      deferred_frees.pop_back();
+      --st.deferred;
+      complete_free(d2.p, d2.s);
+    }
+  }
+
+  void complete_free(std::uintptr_t p, stream_t s) {
+    if (slab* sl = pages[a.page_of(p)].s) {
+      release_slot(sl, static_cast<std::uint32_t>((p - sl->base) / sl->slot));
+    } else {
+      block* b = block_at(p);
+      if (b->flags & f_huge) free_huge(b, s); else free_large(b, s);
+    }
+    maybe_release();
+  }
+
+  void maybe_release() {
+    const std::size_t keep = a.opts().release_threshold;
+    if (a.free_chunk_bytes() + a.idle_bytes() <= keep) return;  // the common case: two loads
+    a.release_idle(keep > a.free_chunk_bytes() ? keep - a.free_chunk_bytes() : 0);
+    while (a.free_chunk_bytes() + a.idle_bytes() > keep && a.oldest_free_chunk() != arena::no_chunk)
+      if (!release_chunk(a.oldest_free_chunk(), false).ok()) break;
+  }
+
+  void note_alloc(std::size_t n, std::size_t sz) {
+    st.requested += n;
+    st.allocated += sz;
+    st.peak_requested = std::max(st.peak_requested, st.requested);
+    st.peak_allocated = std::max(st.peak_allocated, st.allocated);
+    ++st.allocs;
+    ++st.live;
+  }
+  void note_free(std::size_t n, std::size_t sz) {
+    st.requested -= n;
+    st.allocated -= sz;
+    ++st.frees;
+    --st.live;
+  }
+};
+
+heap::heap(arena& a) : p_(std::make_unique<impl>(a)) {}
+
+heap::~heap() {
+  // Slabs are heap objects: collect them through the page map (every slab owns one page).
+  for (auto& e : p_->pages) delete e.s;
+  for (auto& d : p_->deferred_frees)
+    for (auto f : d.fences) p_->a.backend().drop_fence(f);
+  for (auto& [s, ss] : p_->streams)
+    if (ss.fence) p_->a.backend().drop_fence(ss.fence);
+}
+
+result<std::uintptr_t> heap::allocate(std::size_t n, std::size_t align, stream_t s) {
+  auto& m = *p_;
+  if (n == 0) return {0, fail(errc::invalid_value, "size 0")};
+  if (align == 0 || (align & (align - 1))) return {0, fail(errc::invalid_value, "alignment is not a power of two")};
+  if (align > m.G) return {0, fail(errc::invalid_value, "alignment larger than the granularity")};
+  if (n > m.a.reservation_size()) return {0, fail(errc::out_of_memory, "size larger than the reservation")};
+  align = std::max(align, kUnit);
+  if (n <= m.small_limit() && align <= kUnit) return m.allocate_small(n, s);
+  result<impl::block*> r = n >= m.a.opts().huge_threshold && align <= m.G ? m.allocate_huge(n, s)
+                                                                          : m.allocate_large(n, align, s);
+  if (!r.ok()) return {0, r.st};
+  m.note_alloc(n, r.value->size);
+  return {r.value->addr, {}};
+}
+
+status heap::deallocate(std::uintptr_t p, stream_t s) {
+  auto& m = *p_;
+  if (!m.a.contains(p)) return fail(errc::invalid_pointer, "pointer not from this allocator");
+  if (impl::slab* sl = m.pages[m.a.page_of(p)].s) {
+    std::uintptr_t off = p - sl->base;
+    std::uint32_t i = static_cast<std::uint32_t>(off / sl->slot);
+    if (off % sl->slot || i >= sl->nslots) return fail(errc::invalid_pointer, "interior pointer (not the start of an allocation)");
+    if (!(sl->live[i / 64] >> (i % 64) & 1)) return fail(errc::invalid_pointer, "double free (block is not allocated)");
+    sl->live[i / 64] &= ~(std::uint64_t{1} << (i % 64));
+    m.note_free(sl->req[i], sl->slot);
+    std::vector<fence_t> fences;
+    if (auto it = m.extra_streams.find(p); it != m.extra_streams.end()) {
+      for (auto xs : it->second)
+        if (auto f = m.a.backend().record_fence(xs); f.ok() && f.value) fences.push_back(f.value);
+      m.extra_streams.erase(it);
+    }
+    if (s != sl->stream)  // the slab's stream reuses slots at once: it must wait for s
+      if (auto f = m.a.backend().record_fence(s); f.ok() && f.value) fences.push_back(f.value);
+    if (!fences.empty()) {
+      m.deferred_frees.push_back({p, s, std::move(fences)});
+      ++m.st.deferred;
+      return {};
+    }
+    m.release_slot(sl, i);
+    return {};
+  }
+  impl::block* b = m.block_at(p);
+  if (!b || (b->flags & (impl::f_slab | impl::f_sentinel)))
+    return fail(errc::invalid_pointer,
+                m.block_containing(p) ? "interior pointer or double free (no allocation starts here)"
+                                      : "pointer not allocated");
+  if (b->flags & impl::f_free) return fail(errc::invalid_pointer, "double free (block is not allocated)");
+  for (auto& d : m.deferred_frees)
+    if (d.p == p) return fail(errc::invalid_pointer, "double free (free already pending)");
+  m.note_free(b->requested, b->size);
+  if (auto it = m.extra_streams.find(p); it != m.extra_streams.end()) {
+    std::vector<fence_t> fences;
+    for (auto xs : it->second)
+      if (auto f = m.a.backend().record_fence(xs); f.ok() && f.value) fences.push_back(f.value);
+    m.extra_streams.erase(it);
+    if (!fences.empty()) {
+      b->requested = 0;
+      m.deferred_frees.push_back({p, s, std::move(fences)});
+      ++m.st.deferred;
+      return {};
+    }
+  }
+  if (b->flags & impl::f_huge) m.free_huge(b, s); else m.free_large(b, s);
+  m.maybe_release();
+  return {};
+}
+
+status heap::record_stream(std::uintptr_t p, stream_t s) {
+  if (!usable_size(p)) return fail(errc::invalid_pointer, "record_stream: pointer not allocated");
+  auto& v = p_->extra_streams[p];
+  if (std::find(v.begin(), v.end(), s) == v.end()) v.push_back(s);
+  return {};
+}
+
+std::size_t heap::usable_size(std::uintptr_t p) const {
+  auto& m = *p_;
+  if (!m.a.contains(p)) return 0;
+  if (impl::slab* sl = m.pages[m.a.page_of(p)].s) {
+    std::uintptr_t off = p - sl->base;
+    std::uint32_t i = static_cast<std::uint32_t>(off / sl->slot);
+    if (off % sl->slot || i >= sl->nslots || !(sl->live[i / 64] >> (i % 64) & 1)) return 0;
+    return sl->slot;
+  }
+  impl::block* b = m.block_at(p);
+  if (!b || (b->flags & (impl::f_free | impl::f_slab | impl::f_sentinel))) return 0;
+  for (auto& d : m.deferred_frees)
+    if (d.p == p) return 0;
+  return b->size;
+}
+
+status heap::trim(std::size_t keep) {
+  auto& m = *p_;
+  ++m.st.trims;
+  m.poll_deferred(false);
+  // Empty slabs first: they pin chunks that are otherwise free.
+  std::vector<impl::slab*> empty;
+  for (auto& e : m.pages)
+    if (e.s && e.s->used == 0) empty.push_back(e.s);
+  for (auto* s : empty) m.destroy_slab(s);
+  while (m.a.free_chunk_bytes() + m.a.idle_bytes() > keep) {
+    if (m.a.idle_bytes()) {
+      status r = m.a.release_idle(keep > m.a.free_chunk_bytes() ? keep - m.a.free_chunk_bytes() : 0);
+      if (!r.ok()) return r;
+      if (m.a.free_chunk_bytes() + m.a.idle_bytes() <= keep) break;
+    }
+    if (m.a.oldest_free_chunk() == arena::no_chunk) break;
+    status r = m.release_chunk(m.a.oldest_free_chunk(), false);
+    if (!r.ok()) return r;
+  }
+  return {};
+}
+
+heap_stats heap::stats() const { return p_->st; }
+
+void heap::reset_peaks() {
+  p_->st.peak_requested = p_->st.requested;
+  p_->st.peak_allocated = p_->st.allocated;
+}
+
+std::string heap::check() const {
+  auto& m = *p_;
+  using block = impl::block;
+  // 1. free lists: every entry free, in its class, links consistent
+  std::size_t listed = 0;
+  for (int fl = 0; fl < kFlCount; ++fl)
+    for (int sl = 0; sl < kSlCount; ++sl) {
+      bool bit = (m.sl_bitmap[fl] >> sl) & 1;
+      if (bit != (m.lists[fl][sl] != nullptr)) return "free-list bitmap does not match the lists";
+      if (bit && !((m.fl_bitmap >> fl) & 1)) return "first-level bitmap is off";
+      for (block* b = m.lists[fl][sl]; b; b = b->next_free) {
+        int f, s;
+        mapping(b->size, f, s);
+        if (f != fl || s != sl) return "free block in the wrong list";
+        if (!(b->flags & impl::f_free) || (b->flags & (impl::f_huge | impl::f_sentinel))) return "listed block is not a free span block";
+        if (b->next_free && b->next_free->prev_free != b) return "free-list links broken";
+        ++listed;
+      }
+    }
+  // 2. spans: contiguous, coalesced, mapped; sum live bytes per chunk
+  std::unordered_map<std::uint32_t, std::size_t> used;
+  std::size_t free_blocks = 0, blocks = 0, allocated = 0, requested = 0, live = 0;
+  auto add_used = [&](std::uintptr_t addr, std::size_t size) -> bool {
+    for (std::uintptr_t x = addr; x < addr + size;) {
+      std::uint32_t id = m.a.chunk_at(x);
+      if (id == arena::no_chunk) return false;
+      auto& c = m.a.get(id);
+      std::size_t n = std::min<std::uintptr_t>(addr + size, c.va + c.size) - x;
+      used[id] += n;
+      x += n;
+    }
+    return true;
+  };
+  for (auto& [end, s] : m.span_ends) {
+    if (s->addr != end || !(s->flags & impl::f_sentinel)) return "span sentinel is off";
+    std::uintptr_t expect = end;
+    for (block* b = s->prev_phys; b; b = b->prev_phys) {
+      if (b->addr + b->size != expect) return "blocks of a span do not tile it";
+      if (b->next_phys->prev_phys != b) return "span links broken";
+      if (b->size == 0 || b->size % kUnit) return "block size is not a multiple of 256";
+      ++blocks;
+      if (m.block_at(b->addr) != b) return "block missing from its page chain";
+      if (b->flags & impl::f_free) {
+        ++free_blocks;
+        if (b->prev_phys && impl::compatible(b->prev_phys, b)) return "adjacent free blocks not coalesced";
+        for (std::uintptr_t x = b->addr; x < b->addr + b->size; x += m.G)
+          if (m.a.chunk_at(x) == arena::no_chunk) return "free block over unmapped memory";
+      } else {
+        if (!add_used(b->addr, b->size)) return "live block over unmapped memory";
+        if (!(b->flags & impl::f_slab)) {
+          bool deferred = false;
+          for (auto& d : m.deferred_frees) deferred |= d.p == b->addr;
+          if (!deferred) {
+            allocated += b->size;
+            requested += b->requested;
+            ++live;
+          }
+        }
+      }
+      expect = b->addr;
+    }
+  }
+  if (free_blocks != listed) return "a free block is missing from the free lists";
+  // 3. huge blocks, slabs, page chains
+  std::size_t chained = 0, slabs = 0, huge_cached = 0, huge_seen = 0;
+  for (std::size_t pg = 0; pg < m.pages.size(); ++pg) {
+    for (block* b = m.pages[pg].starts; b; b = b->page_next) {
+      ++chained;
+      if (m.a.page_of(b->addr) != pg) return "block chained under the wrong page";
+      if (b->flags & impl::f_huge) {
+        ++huge_seen;
+        if (b->flags & impl::f_free) {
+          ++huge_cached;
+          continue;
+        }
+        if (!add_used(b->addr, b->size)) return "huge block over unmapped memory";
+        allocated += b->size;
+        requested += b->requested;
+        ++live;
+      }
+    }
+    if (impl::slab* s = m.pages[pg].s) {
+      ++slabs;
+      if (s->base != m.a.base() + pg * m.G || s->blk->addr != s->base) return "slab not at its page";
+      std::size_t bits = 0, pending = 0;
+      for (auto w : s->live) bits += std::popcount(w);
+      for (auto& d : m.deferred_frees) pending += d.p - s->base < m.G;
+      if (s->used != bits + pending) return "slab used count is off";
+      if (s->free.size() != s->nslots - s->used) return "slab free stack size is off";
+      for (auto i : s->free)
+        if (s->live[i / 64] >> (i % 64) & 1) return "a live slot is on the free stack";
+      if (s->listed != !s->free.empty()) return "slab class list membership is off";
+      for (std::uint32_t i = 0; i < s->nslots; ++i)
+        if (s->live[i / 64] >> (i % 64) & 1) {
+          allocated += s->slot;
+          requested += s->req[i];
+          ++live;
+        }
+    }
+  }
+  if (chained != blocks + huge_seen) return "page chains hold blocks that are in no span";
+  if (huge_cached != m.huge_cache.size()) return "huge cache does not match the free huge blocks";
+  if (slabs != m.st.slabs) return "slab count is off";
+  if (allocated != m.st.allocated || requested != m.st.requested || live != m.st.live)
+    return "heap stats do not add up (allocated/requested/live)";
+  for (std::uint32_t id = 0; id < m.a.chunk_slots(); ++id) {
+    auto& c = m.a.get(id);
+    if (!c.size) continue;
+    auto it = used.find(id);
+    if ((it == used.end() ? 0 : it->second) != c.used) return "chunk used bytes do not match its live blocks";
+  }
+  return m.a.check();
+}
+
+}  // namespace vmm

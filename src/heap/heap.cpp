@@ -237,14 +237,13 @@ struct heap::impl {
   }
 
   block* find_free(std::size_t size, stream_t x) {
-    if (block* b = find_good_fit(size, x)) return b;
-    // The good-fit search skips the list holding `size` itself; a block there may still fit
-    // (a span grown to exactly the request lands in it). Bounded scan.
+    // The list holding `size` itself first (bounded scan): an exact or near-exact fit there keeps
+    // big free blocks whole (closer to best fit than TLSF's good fit, which skips this list).
     int fl, sl, scanned = 0;
     mapping(size, fl, sl);
-    for (block* b = lists[fl][sl]; b && scanned < 32; b = b->next_free, ++scanned)
+    for (block* b = lists[fl][sl]; b && scanned < 16; b = b->next_free, ++scanned)
       if (b->size >= size && usable(b, x)) return b;
-    return nullptr;
+    return find_good_fit(size, x);
   }
 
   block* find_good_fit(std::size_t size, stream_t x) {
@@ -422,7 +421,7 @@ struct heap::impl {
       r = a.map_range(want, 0, kOwnerSpan);
     }
     if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
-      status e = evict_free_chunks(~std::size_t{0}, true);  // last resort: all free chunks
+      status e = evict_free_chunks(~std::size_t{0}, true);  // last resort: every idle-able chunk
       if (!e.ok()) return e;
       want = size;
       r = a.map_range(want, 0, kOwnerSpan);
@@ -436,20 +435,47 @@ struct heap::impl {
   // ---- releasing chunks ----
   // Unmaps wholly free chunks, oldest first, until the arena holds `target` idle bytes (or none
   // are left). keep_handle: the physical memory stays for stitching; else it is released.
-  status evict_free_chunks(std::size_t target, bool keep_handle) {
-    while (a.oldest_free_chunk() != arena::no_chunk && a.idle_bytes() < target) {
-      status s = release_chunk(a.oldest_free_chunk(), keep_handle);
+  // wait = false (growth, release threshold): chunks whose last stream is still running are
+  // skipped, never waited for. wait = true (trim): waits for those chunks' fences only.
+  status evict_free_chunks(std::size_t target, bool keep_handle, bool wait = false) {
+    std::uint32_t id = a.oldest_free_chunk();
+    while (id != arena::no_chunk && a.idle_bytes() < target) {
+      bool busy = false;
+      status s = release_chunk(id, keep_handle, wait, busy);
       if (!s.ok()) return s;
+      // A release may unmap several chunks (a stitched huge block): restart from the list head,
+      // past the busy ones.
+      id = busy ? a.get(id).lru_next : a.oldest_free_chunk();
+      while (!busy && id != arena::no_chunk && chunk_busy(id)) id = a.get(id).lru_next;
     }
     return {};
   }
 
-  status release_chunk(std::uint32_t id, bool keep_handle) {
+  // Whether a free chunk still has a stream that may touch it (fence not known complete).
+  bool chunk_busy(std::uint32_t id) {
+    auto& c = a.get(id);
+    if (c.owner == kOwnerHuge) {
+      block* b = block_at(c.va);
+      if (!b) b = block_containing(c.va);  // stitched huge block starting in an earlier chunk
+      return (b->flags & f_tagged) && !fence_covers(b->stream, b->free_seq);
+    }
+    for (block* b = block_containing(c.va); b && b->addr < c.va + c.size; b = b->next_phys)
+      if ((b->flags & f_tagged) && !fence_covers(b->stream, b->free_seq)) return true;
+    return false;
+  }
+
+  status release_chunk(std::uint32_t id, bool keep_handle, bool wait, bool& busy) {
+    busy = !wait && chunk_busy(id);
+    if (busy) return {};
     auto& c = a.get(id);
     assert(c.used == 0);
     ++st.chunk_releases;
     next_growth = a.opts().min_chunk;  // memory pressure: grow gently again
-    if (c.owner == kOwnerHuge) return release_huge(block_at(c.va), keep_handle);
+    if (c.owner == kOwnerHuge) {
+      block* b = block_at(c.va);
+      if (!b) b = block_containing(c.va);
+      return release_huge(b, keep_handle);
+    }
     std::uintptr_t cs = c.va, ce = c.va + c.size;
     block* first = block_containing(cs);
     block* last = first;
@@ -713,8 +739,12 @@ struct heap::impl {
     const std::size_t keep = a.opts().release_threshold;
     if (a.free_chunk_bytes() + a.idle_bytes() <= keep) return;  // the common case: two loads
     a.release_idle(keep > a.free_chunk_bytes() ? keep - a.free_chunk_bytes() : 0);
-    while (a.free_chunk_bytes() + a.idle_bytes() > keep && a.oldest_free_chunk() != arena::no_chunk)
-      if (!release_chunk(a.oldest_free_chunk(), false).ok()) break;
+    std::uint32_t id = a.oldest_free_chunk();
+    while (a.free_chunk_bytes() + a.idle_bytes() > keep && id != arena::no_chunk) {
+      bool busy = false;
+      if (!release_chunk(id, false, false, busy).ok()) break;
+      id = busy ? a.get(id).lru_next : a.oldest_free_chunk();
+    }
   }
 
   void note_alloc(std::size_t n, std::size_t sz) {
@@ -850,7 +880,8 @@ status heap::trim(std::size_t keep) {
       if (m.a.free_chunk_bytes() + m.a.idle_bytes() <= keep) break;
     }
     if (m.a.oldest_free_chunk() == arena::no_chunk) break;
-    status r = m.release_chunk(m.a.oldest_free_chunk(), false);
+    bool busy = false;
+    status r = m.release_chunk(m.a.oldest_free_chunk(), false, true, busy);
     if (!r.ok()) return r;
   }
   return {};

@@ -1,0 +1,420 @@
+// Host backend: the conformance suite, plus what only the host backend can show in CI (the
+// driver's rules enforced, controllable fences, simulated peers, the C API, no-driver handling).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cstring>
+
+#include <unistd.h>
+
+#include "conformance.hpp"
+#include "vmmalloc/vmmalloc.h"
+
+namespace {
+
+std::uint8_t pattern_byte(std::uint64_t seed, std::size_t i) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + i;
+  x ^= x >> 29;
+  x *= 0xBF58476D1CE4E5B9ull;
+  return static_cast<std::uint8_t>(x >> 56);
+}
+
+struct host_traits {
+  static constexpr const char* name = "host";
+  static vmm::allocator make(vmm::options o) {
+    vmm::host_backend_options h;
+    h.physical_limit = std::size_t{32} << 30;
+    return vmm::allocator::host(o, h);
+  }
+  static void fill(void* p, std::size_t n, std::uint64_t seed) {
+    auto* b = static_cast<std::uint8_t*>(p);
+    for (std::size_t i = 0; i < n; ++i) b[i] = pattern_byte(seed, i);
+  }
+  static bool verify(const void* p, std::size_t n, std::uint64_t seed) {
+    auto* b = static_cast<const std::uint8_t*>(p);
+    for (std::size_t i = 0; i < n; ++i)
+      if (b[i] != pattern_byte(seed, i)) return false;
+    return true;
+  }
+  static bool device_memory(std::size_t&, std::size_t&) { return false; }
+  static vmm::stream_t stream(int i) { return reinterpret_cast<vmm::stream_t>(std::uintptr_t(0x1000 + i)); }
+};
+
+constexpr std::size_t MiB = std::size_t{1} << 20, G2 = 2 * MiB;
+
+}  // namespace
+
+VMM_CONFORMANCE_INVOKE(host_traits)
+
+// ---- backend: the driver's rules, enforced by the host backend ----
+
+TEST_CASE("host backend: map only inside a reservation, unmap exactly what was mapped") {
+  vmm::host_backend b;
+  vmm::chunk_props props;
+  auto r = b.reserve(8 * G2, G2);
+  REQUIRE(r.ok());
+  auto h = b.create(2 * G2, props);
+  REQUIRE(h.ok());
+  CHECK(b.map(r.value + G2, 2 * G2, h.value, 0).ok());
+  CHECK(b.map(r.value + 2 * G2, G2, h.value, 0).kind == vmm::errc::invalid_value);  // overlaps
+  CHECK(b.map(r.value + 100, G2, h.value, 0).kind == vmm::errc::invalid_value);     // misaligned
+  CHECK(b.map(r.value + 7 * G2, 2 * G2, h.value, 0).kind == vmm::errc::invalid_value);  // past the end
+  CHECK(b.unmap(r.value + G2, G2).kind == vmm::errc::invalid_value);  // part of a mapping
+  CHECK(b.free_reservation(r.value, 8 * G2).kind == vmm::errc::invalid_value);  // still mapped
+  CHECK(b.unmap(r.value + G2, 2 * G2).ok());
+  CHECK(b.release(h.value).ok());
+  CHECK(b.release(h.value).kind == vmm::errc::invalid_value);
+  CHECK(b.free_reservation(r.value, 8 * G2).ok());
+  CHECK(b.live_handles() == 0);
+  CHECK(b.live_mappings() == 0);
+  CHECK(b.live_reservations() == 0);
+}
+
+TEST_CASE("host backend: a mapping has no access until set_access, then the CPU can use it") {
+  vmm::host_backend b;
+  auto r = b.reserve(G2, G2);
+  auto h = b.create(G2, {});
+  REQUIRE(b.map(r.value, G2, h.value, 0).ok());
+  CHECK(b.access_of(r.value, 0) == vmm::access_mode::none);
+  vmm::access_desc d{0, vmm::access_mode::read_write};
+  REQUIRE(b.set_access(r.value, G2, {&d, 1}).ok());
+  CHECK(b.access_of(r.value, 0) == vmm::access_mode::read_write);
+  std::memset(reinterpret_cast<void*>(r.value), 0x5a, G2);
+  CHECK(reinterpret_cast<unsigned char*>(r.value)[G2 - 1] == 0x5a);
+  // Released while mapped: the memory stays valid until unmapped (driver reference counting).
+  CHECK(b.release(h.value).ok());
+  CHECK(reinterpret_cast<unsigned char*>(r.value)[12345] == 0x5a);
+  CHECK(b.unmap(r.value, G2).ok());
+  CHECK(b.free_reservation(r.value, G2).ok());
+}
+
+TEST_CASE("host backend: the simulated device memory limit gives ENOMEM as out_of_memory") {
+  vmm::host_backend_options o;
+  o.physical_limit = 4 * G2;
+  vmm::host_backend b(o);
+  auto h1 = b.create(3 * G2, {});
+  REQUIRE(h1.ok());
+  auto h2 = b.create(2 * G2, {});
+  CHECK(h2.st.kind == vmm::errc::out_of_memory);
+  CHECK(std::string(h2.st.name) == "ENOMEM");
+  CHECK(h2.st.message().find("memfd_create") != std::string::npos);
+  CHECK(b.release(h1.value).ok());
+  auto h3 = b.create(4 * G2, {});
+  CHECK(h3.ok());
+  b.release(h3.value);
+}
+
+TEST_CASE("host backend: export dups the memfd and import maps the same bytes") {
+  vmm::host_backend b;
+  vmm::chunk_props props;
+  props.ipc = vmm::ipc_kind::posix_fd;
+  auto h = b.create(G2, props);
+  auto ex = b.export_handle(h.value, vmm::ipc_kind::posix_fd);
+  REQUIRE(ex.ok());
+  auto im = b.import_handle(ex.value);
+  REQUIRE(im.ok());
+  auto r = b.reserve(2 * G2, G2);
+  vmm::access_desc d{0, vmm::access_mode::read_write};
+  REQUIRE(b.map(r.value, G2, h.value, 0).ok());
+  REQUIRE(b.map(r.value + G2, G2, im.value, 0).ok());
+  REQUIRE(b.set_access(r.value, 2 * G2, {&d, 1}).ok());
+  auto* p = reinterpret_cast<char*>(r.value);
+  p[100] = 42;
+  CHECK(p[G2 + 100] == 42);  // two views of one physical chunk
+  b.unmap(r.value, G2);
+  b.unmap(r.value + G2, G2);
+  b.release(h.value);
+  b.release(im.value);
+  ::close(ex.value.fd);
+  b.free_reservation(r.value, 2 * G2);
+  CHECK(b.live_handles() == 0);
+}
+
+TEST_CASE("host backend: fences are pending while the test holds the stream") {
+  vmm::host_backend b;
+  auto s = reinterpret_cast<vmm::stream_t>(0x77);
+  auto f0 = b.record_fence(s);
+  CHECK(b.fence_done(f0.value));
+  b.hold_stream(s);
+  auto f1 = b.record_fence(s);
+  CHECK_FALSE(b.fence_done(f1.value));
+  CHECK_FALSE(b.wait_fence(f1.value).ok());  // would deadlock: reported, not hung
+  b.complete_stream(s);
+  CHECK(b.fence_done(f1.value));
+}
+
+TEST_CASE("backend concept: both backends satisfy it and report capabilities") {
+  static_assert(vmm::backend<vmm::host_backend>);
+  static_assert(vmm::backend<vmm::cuda_backend>);
+  vmm::host_backend h;
+  CHECK((h.capabilities() & vmm::cap_host_access) != 0);
+  CHECK((h.capabilities() & vmm::cap_export_posix_fd) != 0);
+  CHECK((h.capabilities() & vmm::cap_compression) == 0);
+  auto g = h.granularity({});
+  CHECK(g.value.minimum == G2);
+}
+
+// ---- CUDA backend without a driver ----
+
+TEST_CASE("cuda backend: without a driver, construction reports 'no CUDA driver' and nothing dies") {
+  vmm::cuda_backend cb(0);
+  if (cb.available()) {
+    MESSAGE("a CUDA driver is present here; the no-driver path is not exercised");
+    return;
+  }
+  CHECK(cb.load_status().kind == vmm::errc::no_driver);
+  CHECK(cb.load_message().find("no CUDA") != std::string::npos);
+  CHECK_FALSE(cb.create(G2, {}).ok());
+  CHECK_FALSE(cb.reserve(G2, G2).ok());
+  try {
+    vmm::allocator a;
+    FAIL("allocator on a machine without a driver");
+  } catch (const vmm::error& e) {
+    CHECK(e.st().kind == vmm::errc::no_driver);
+    CHECK(std::string(e.what()).find("no CUDA driver") != std::string::npos);
+  }
+  vmm_policy pol;
+  vmm_policy_init(&pol);
+  vmm_allocator* ca = nullptr;
+  CHECK(vmm_create(&pol, &ca) == VMM_ERROR_NO_DRIVER);
+  CHECK(ca == nullptr);
+  CHECK(std::string(vmm_last_error()).find("no CUDA driver") != std::string::npos);
+}
+
+// ---- cross-stream reuse, proven with test-controlled fences ----
+
+TEST_CASE("streams: a block freed on S1 with its fence pending is never handed to S2") {
+  auto a = host_traits::make(conf::small_options());
+  auto* hb = a.backend_as<vmm::host_backend>();
+  REQUIRE(hb != nullptr);
+  auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
+  for (std::size_t n : {300 * std::size_t{1024}, 300 * MiB}) {  // large and huge paths
+    CAPTURE(n);
+    hb->hold_stream(s1);  // S1's work is still running
+    void* p = a.allocate(n, 0, s1);
+    a.deallocate(p, s1);
+    void* q = a.allocate(n, 0, s2);
+    CHECK(q != p);
+    void* same = a.allocate(n, 0, s1);  // S1 itself may reuse at once (stream order)
+    CHECK(same == p);
+    a.deallocate(same, s1);
+    hb->complete_stream(s1);  // S1's fence completes
+    void* r = a.allocate(n, 0, s2);
+    CHECK(r == p);
+    a.deallocate(q, s2);
+    a.deallocate(r, s2);
+    CHECK(a.check() == "");
+  }
+}
+
+TEST_CASE("streams: small blocks freed on another stream wait for that stream's fence") {
+  auto a = host_traits::make(conf::small_options());
+  auto* hb = a.backend_as<vmm::host_backend>();
+  auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
+  // Slabs belong to a stream: S2 never draws from S1's slots while S1 runs.
+  hb->hold_stream(s1);
+  void* p = a.allocate(100, 0, s1);
+  a.deallocate(p, s1);
+  CHECK(a.allocate(100, 0, s2) != p);
+  CHECK(a.allocate(100, 0, s1) == p);  // S1 reuses at once
+  // Freed on S2 (the last user), while S2 runs: S1's slab must not reuse it yet.
+  hb->hold_stream(s2);
+  a.deallocate(p, s2);
+  CHECK(a.stats().deferred == 1);
+  void* q = a.allocate(100, 0, s1);
+  CHECK(q != p);
+  hb->complete_stream(s2);
+  a.trim(std::size_t(-1));  // polls the deferred free: the slot is free again
+  CHECK(a.stats().deferred == 0);
+  CHECK(a.allocate(100, 0, s1) == p);
+  a.deallocate(q, s1);
+  hb->complete_stream(s1);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("streams: record_stream holds a block until the extra stream's fence completes") {
+  auto a = host_traits::make(conf::small_options());
+  auto* hb = a.backend_as<vmm::host_backend>();
+  auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
+  for (std::size_t n : {std::size_t{4096}, 3 * MiB}) {
+    CAPTURE(n);
+    hb->hold_stream(s2);
+    void* p = a.allocate(n, 0, s1);
+    a.record_stream(p, s2);
+    a.deallocate(p, s1);
+    CHECK(a.stats().deferred >= 1);
+    CHECK(a.usable_size(p) == 0);
+    CHECK_THROWS_AS(a.deallocate(p, s1), vmm::error);  // already freed (pending)
+    void* q = a.allocate(n, 0, s1);
+    CHECK(q != p);  // even its own stream must wait for S2
+    CHECK(a.check() == "");
+    hb->complete_stream(s2);
+    a.trim(std::size_t(-1));  // polls deferred frees
+    CHECK(a.stats().deferred == 0);
+    a.deallocate(q, s1);
+    CHECK(a.check() == "");
+  }
+}
+
+TEST_CASE("streams: trim waits only for the fences of chunks it unmaps") {
+  auto a = host_traits::make(conf::small_options());
+  auto* hb = a.backend_as<vmm::host_backend>();
+  auto s1 = host_traits::stream(1);
+  void* p = a.allocate(300 * MiB, 0, s1);
+  a.deallocate(p, s1);  // freed on S1, fence not recorded yet
+  hb->hold_stream(s1);
+  // The host backend reports a wait on a held stream as an error instead of hanging: trim must
+  // try to wait for S1 (the only stream that touched the chunk) and report that it could not.
+  CHECK_THROWS_AS(a.trim(0), vmm::error);
+  CHECK(a.check() == "");
+  CHECK(a.stats().mapped >= 300 * MiB);  // nothing was unmapped under a running stream
+  hb->complete_stream(s1);
+  a.trim(0);
+  CHECK(a.stats().mapped == 0);
+}
+
+// ---- policies on the host backend ----
+
+TEST_CASE("policy: peers are granted on every mapping with their own mode") {
+  vmm::options o = conf::small_options();
+  o.peers = {{1, vmm::access_mode::read}};
+  auto a = host_traits::make(o);
+  auto* hb = a.backend_as<vmm::host_backend>();
+  void* p = a.allocate(5 * MiB);
+  auto u = reinterpret_cast<std::uintptr_t>(p);
+  CHECK(hb->access_of(u, 0) == vmm::access_mode::read_write);
+  CHECK(hb->access_of(u, 1) == vmm::access_mode::read);
+  a.deallocate(p);
+}
+
+TEST_CASE("policy: an unknown peer device is a clear error at creation") {
+  vmm::options o = conf::small_options();
+  o.peers = {{5, vmm::access_mode::read_write}};
+  CHECK_THROWS_AS(host_traits::make(o), vmm::error);
+}
+
+TEST_CASE("policy: compression require fails clearly where it is not supported; prefer falls back") {
+  vmm::options o = conf::small_options();
+  o.compression = vmm::compression_mode::require;
+  try {
+    host_traits::make(o);
+    FAIL("compression required on a backend without it");
+  } catch (const vmm::error& e) {
+    CHECK(e.st().kind == vmm::errc::not_supported);
+  }
+  o.compression = vmm::compression_mode::prefer;
+  auto a = host_traits::make(o);
+  a.deallocate(a.allocate(100));
+  CHECK(a.stats().compression_fallbacks >= 1);
+}
+
+TEST_CASE("policy: granularity follows the backend (4 KiB host pages)") {
+  vmm::host_backend_options h;
+  h.granularity = 4096;
+  auto a = vmm::allocator::host(conf::small_options(), h);
+  CHECK(a.granularity() == 4096);
+  void* p = a.allocate(10000);
+  std::memset(p, 1, 10000);
+  a.deallocate(p);
+  a.trim(0);
+  CHECK(a.stats().mapped == 0);
+}
+
+TEST_CASE("policy: the default reservation is twice the device memory") {
+  vmm::host_backend_options h;
+  h.physical_limit = 3ull << 30;
+  auto a = vmm::allocator::host({}, h);
+  CHECK(a.stats().reserved == 6ull << 30);
+}
+
+// ---- arena: holes, chunk table and rollback, seen directly ----
+
+TEST_CASE("arena: a failed set_access rolls back create and map") {
+  vmm::options o;
+  o.reservation_size = 64 * MiB;
+  o.peers = {{1, vmm::access_mode::read_write}};
+  vmm::host_backend_options ho;
+  ho.device_count = 2;
+  vmm::arena ar(vmm::make_backend<vmm::host_backend>(ho), o);
+  REQUIRE(ar.open().ok());
+  auto r = ar.map_range(4 * MiB, 0, 0);
+  REQUIRE(r.ok());
+  CHECK(ar.check() == "");
+  auto s = ar.stats();
+  CHECK(s.mapped == 4 * MiB);
+  CHECK(s.free_chunk_bytes == 4 * MiB);
+  // Out of VA: clean failure, nothing changed.
+  auto r2 = ar.map_range(64 * MiB, 0, 0);
+  CHECK(r2.st.kind == vmm::errc::out_of_memory);
+  CHECK(ar.check() == "");
+  CHECK(ar.stats().mapped == 4 * MiB);
+  auto id = ar.chunk_at(r.value);
+  REQUIRE(id != vmm::arena::no_chunk);
+  CHECK(ar.unmap_chunk(id, true).ok());
+  CHECK(ar.stats().idle == 4 * MiB);
+  auto r3 = ar.map_range(4 * MiB, 0, 0);  // stitched from the idle handle
+  REQUIRE(r3.ok());
+  CHECK(ar.stats().stitched == 1);
+  CHECK(ar.stats().calls.create == 1);
+  CHECK(ar.check() == "");
+}
+
+// ---- C API ----
+
+TEST_CASE("C API: create, malloc, free, stats, check, trim, errors") {
+  vmm_policy pol;
+  vmm_policy_init(&pol);
+  pol.backend = VMM_BACKEND_HOST;
+  pol.reservation_size = 4ull << 30;
+  vmm_allocator* a = nullptr;
+  REQUIRE(vmm_create(&pol, &a) == VMM_SUCCESS);
+  void* p = vmm_malloc(a, 1000);
+  REQUIRE(p);
+  std::memset(p, 3, 1000);
+  void* q = vmm_aligned_alloc(a, 4096, 5000);
+  REQUIRE(q);
+  CHECK(reinterpret_cast<std::uintptr_t>(q) % 4096 == 0);
+  vmm_stats s;
+  CHECK(vmm_get_stats(a, &s) == VMM_SUCCESS);
+  CHECK(s.requested == 6000);
+  CHECK(s.live == 2);
+  CHECK(vmm_check(a) == VMM_SUCCESS);
+  CHECK(vmm_free(a, p) == VMM_SUCCESS);
+  CHECK(vmm_free(a, p) == VMM_ERROR_INVALID_POINTER);
+  CHECK(std::string(vmm_last_error()).find("double free") != std::string::npos);
+  CHECK(vmm_free(a, nullptr) == VMM_SUCCESS);
+  CHECK(vmm_malloc(a, 0) == nullptr);
+  CHECK(vmm_last_status() == VMM_ERROR_INVALID_VALUE);
+  CHECK(vmm_aligned_alloc(a, 3, 10) == nullptr);
+  CHECK(vmm_malloc(a, SIZE_MAX) == nullptr);
+  CHECK(vmm_last_status() == VMM_ERROR_OUT_OF_MEMORY);
+  CHECK(vmm_free(a, q) == VMM_SUCCESS);
+  CHECK(vmm_trim(a, 0) == VMM_SUCCESS);
+  CHECK(vmm_get_stats(a, &s) == VMM_SUCCESS);
+  CHECK(s.mapped == 0);
+  CHECK(vmm_check(a) == VMM_SUCCESS);
+  CHECK(std::string(vmm_status_string(VMM_ERROR_OUT_OF_MEMORY)) == "out of memory");
+  vmm_destroy(a);
+  vmm_destroy(nullptr);
+  CHECK(vmm_create(nullptr, &a) == VMM_ERROR_INVALID_VALUE);
+  CHECK(vmm_malloc(nullptr, 10) == nullptr);
+}
+
+TEST_CASE("C API: the memory limit and the host physical limit give VMM_ERROR_OUT_OF_MEMORY") {
+  vmm_policy pol;
+  vmm_policy_init(&pol);
+  pol.backend = VMM_BACKEND_HOST;
+  pol.reservation_size = 1ull << 30;
+  pol.host_physical_limit = 16 * MiB;
+  vmm_allocator* a = nullptr;
+  REQUIRE(vmm_create(&pol, &a) == VMM_SUCCESS);
+  void* p = vmm_malloc(a, 12 * MiB);
+  REQUIRE(p);
+  CHECK(vmm_malloc(a, 12 * MiB) == nullptr);
+  CHECK(vmm_last_status() == VMM_ERROR_OUT_OF_MEMORY);
+  CHECK(std::string(vmm_last_error()).find("ENOMEM") != std::string::npos);
+  CHECK(vmm_check(a) == VMM_SUCCESS);
+  CHECK(vmm_free(a, p) == VMM_SUCCESS);
+  CHECK(vmm_malloc(a, 12 * MiB) != nullptr);
+  vmm_destroy(a);
+}

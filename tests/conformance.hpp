@@ -198,7 +198,9 @@ TEST_CASE_TEMPLATE_DEFINE("conformance: growth across many chunks keeps earlier 
 }
 
 TEST_CASE_TEMPLATE_DEFINE("conformance: repeated growth is geometric (few driver calls)", T, conf_08) {
-  auto a = T::make(conf::small_options());
+  vmm::options o = conf::small_options();
+  o.max_growth = 32 * conf::MiB;
+  auto a = T::make(o);
   std::vector<void*> ps;
   for (int i = 0; i < 400; ++i) ps.push_back(a.allocate(300 * conf::KiB));  // 120 MB total
   auto s = a.stats();

@@ -41,7 +41,10 @@ struct options {
   std::size_t reservation_size = 0;                // VA reserved once; 0 = 2 x device memory
   std::size_t memory_limit = std::numeric_limits<std::size_t>::max();  // cap on physical bytes
   std::size_t min_chunk = 0;                       // smallest growth; 0 = granularity (2 MiB)
-  std::size_t max_growth = std::size_t{32} << 20;  // geometric growth stops doubling here
+  // Geometric growth (2, 4, 8 MiB ...) stops doubling here. Shared trace on the host backend:
+  // 2 MiB -> peak physical/live 1.008 with 2248 driver calls; 8 MiB -> 1.012, 1481 calls;
+  // 32 MiB -> 1.042, 560 calls. 8 MiB keeps both the footprint and the driver time low.
+  std::size_t max_growth = std::size_t{8} << 20;
   std::size_t release_threshold = std::numeric_limits<std::size_t>::max();  // free bytes kept mapped
   bool stitch_on_grow = true;   // before creating memory, unmap wholly free chunks and reuse them
   std::size_t alignment = 256;  // default alignment (cudaMalloc's guarantee, CCCL assumes it)

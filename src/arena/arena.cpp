@@ -198,6 +198,12 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       idle_bytes_ -= hsize;
       from_idle = true;
     } else {
+      // Idle handles that could not serve this request only add to the footprint: release them
+      // before creating more (peak physical stays close to peak mapped).
+      if (opt_.stitch_on_grow && idle_bytes_) {
+        status r = release_idle(0);
+        if (!r.ok()) return rollback(r);
+      }
       std::size_t physical = mapped_ + idle_bytes_;
       if (want > opt_.memory_limit || physical > opt_.memory_limit - want)
         return rollback(fail(errc::out_of_memory, "cuMemCreate", "memory limit of the policy reached"));

@@ -3,7 +3,9 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cstring>
+#include <thread>
 
 #include <unistd.h>
 
@@ -208,7 +210,9 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
 }
 
 TEST_CASE("streams: small blocks freed on another stream wait for that stream's fence") {
-  auto a = host_traits::make(conf::small_options());
+  vmm::options o = conf::small_options();
+  o.thread_cache = false;  // the heap's own rules, slot by slot
+  auto a = host_traits::make(o);
   auto* hb = a.backend_as<vmm::host_backend>();
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
   // Slabs belong to a stream: S2 never draws from S1's slots while S1 runs.
@@ -417,4 +421,57 @@ TEST_CASE("C API: the memory limit and the host physical limit give VMM_ERROR_OU
   CHECK(vmm_free(a, p) == VMM_SUCCESS);
   CHECK(vmm_malloc(a, 12 * MiB) != nullptr);
   vmm_destroy(a);
+}
+
+// ---- threads ----
+
+TEST_CASE("threads: concurrent small and large traffic keeps every byte and every invariant") {
+  auto a = host_traits::make(conf::small_options());
+  std::atomic<int> bad{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 6; ++t)
+    ts.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      std::vector<std::pair<void*, std::size_t>> live;
+      for (int i = 0; i < 20000; ++i) {
+        if (live.size() < 64 && (live.empty() || rng() % 2)) {
+          std::size_t n = rng() % 8 ? 1 + rng() % 4096 : 1 + rng() % (3 * MiB);
+          auto* p = static_cast<unsigned char*>(a.allocate(n));
+          std::memset(p, t + 1, std::min<std::size_t>(n, 512));
+          live.push_back({p, n});
+        } else {
+          std::size_t k = rng() % live.size();
+          auto* p = static_cast<unsigned char*>(live[k].first);
+          for (std::size_t j = 0; j < std::min<std::size_t>(live[k].second, 512); ++j)
+            if (p[j] != t + 1) ++bad;
+          // Half the frees happen on another thread's behalf: the block goes to this thread's cache.
+          a.deallocate(p);
+          live[k] = live.back();
+          live.pop_back();
+        }
+      }
+      for (auto& [p, n] : live) a.deallocate(p);
+    });
+  for (auto& t : ts) t.join();
+  CHECK(bad == 0);
+  CHECK(a.check() == "");
+  auto s = a.stats();
+  CHECK(s.requested == 0);
+  CHECK(s.live == 0);
+  CHECK(s.allocs == s.frees);
+  CHECK(s.allocs > 60000);
+}
+
+TEST_CASE("threads: a block allocated on one thread and freed on another") {
+  auto a = host_traits::make(conf::small_options());
+  std::vector<void*> ps;
+  for (int i = 0; i < 1000; ++i) ps.push_back(a.allocate(64 + i % 300));
+  std::thread([&] {
+    for (void* p : ps) a.deallocate(p);
+    CHECK_THROWS_AS(a.deallocate(ps[0]), vmm::error);  // double free, seen across threads
+  }).join();  // the thread's cache goes back to the heap when it ends
+  CHECK(a.check() == "");
+  CHECK(a.stats().live == 0);
+  a.trim(0);
+  CHECK(a.stats().mapped == 0);
 }

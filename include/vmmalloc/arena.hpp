@@ -50,6 +50,8 @@ struct options {
   std::size_t alignment = 256;  // default alignment (cudaMalloc's guarantee, CCCL assumes it)
   std::size_t small_max = std::size_t{64} << 10;   // <= this: size classes in slabs
   std::size_t huge_threshold = std::size_t{256} << 20;  // >= this: a dedicated chunk
+  bool thread_cache = true;     // per-thread stacks of small slots: no lock on the hot path
+  std::size_t thread_cache_slots = 32;  // per class and thread (refill / flush half of it)
 };
 
 struct driver_counts {
@@ -97,7 +99,7 @@ class arena {
   std::uintptr_t base() const { return base_; }
   std::size_t reservation_size() const { return size_; }
   bool contains(std::uintptr_t a) const { return a - base_ < size_; }
-  std::size_t page_of(std::uintptr_t a) const { return (a - base_) / gran_; }
+  std::size_t page_of(std::uintptr_t a) const { return (a - base_) >> gran_shift_; }  // G is 2^k
   std::size_t pages() const { return page_map_.size(); }
 
   // O(1): the chunk mapped at a (no_chunk if none).
@@ -158,6 +160,7 @@ class arena {
   chunk_props props_;
   std::vector<access_desc> access_;  // owner + peers, applied to every mapping
   std::size_t gran_ = 0;
+  unsigned gran_shift_ = 0;
   std::uintptr_t base_ = 0;
   std::size_t size_ = 0;
 

@@ -25,6 +25,7 @@
 //   allocated == sum(live block sizes) + sum(live slot sizes), requested likewise
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -67,7 +68,25 @@ class heap {
 
   heap_stats stats() const;
   void reset_peaks();
-  std::string check() const;
+  // requested_outside: requested bytes the front end's thread caches account for (mod 2^64).
+  std::string check(std::uint64_t requested_outside = 0) const;
+
+  // ---- thread-cache support (front end) ----
+  // A slab slot's metadata, readable without the lock while the slot is live or cached.
+  struct slot_ref {
+    std::atomic<std::uint8_t>* state = nullptr;  // 0 free, 1 user, 2 thread cache, 3 user + record_stream
+    std::uint32_t* req = nullptr;                // requested bytes
+    std::uint32_t size = 0, cls = 0;
+    stream_t stream = nullptr;                   // the slab's stream
+  };
+  int small_class(std::size_t n) const noexcept;  // -1: n takes another path
+  bool small_slot(std::uintptr_t p, slot_ref& r) const noexcept;  // false: p is no slot start
+  // Under the caller's lock: hand out up to max slots of a class in state 2 (counted as allocated
+  // with 0 requested bytes), and take cached slots (state 2, req 0) back.
+  // tag: the calling thread cache (see set_cache_tag); its refills come from slabs it owns.
+  std::size_t refill(int cls, stream_t s, std::uintptr_t* out, std::size_t max, std::uint64_t tag);
+  void set_cache_tag(std::uint64_t tag, bool alive);
+  void flush(const std::uintptr_t* p, std::size_t n);
 
 
  private:

@@ -51,6 +51,9 @@ struct last_error_info {
 };
 const last_error_info& last_error() noexcept;
 
+// Current values are exact. Peaks of requested/allocated are exact with options.thread_cache off;
+// with thread caches they are sampled on the slow path and may miss up to the bytes the caches
+// hold. Peaks of mapped/physical (the memory figures) are always exact.
 struct allocator_stats {
   // bytes: current and peak
   std::size_t requested = 0, allocated = 0, mapped = 0, physical = 0, reserved = 0;
@@ -103,8 +106,9 @@ class allocator {
     return m ? &m->get() : nullptr;
   }
 
+  struct impl;  // opaque; public only so the implementation's thread caches can name it
+
  private:
-  struct impl;
   std::unique_ptr<impl> p_;
 };
 

@@ -46,6 +46,7 @@ status arena::open() {
     gran_ = std::max(gran_, pg.value.minimum);
   }
   if (gran_ == 0 || (gran_ & (gran_ - 1))) return fail(errc::invalid_value, "arena", "bad granularity");
+  gran_shift_ = static_cast<unsigned>(__builtin_ctzll(gran_));
   if (opt_.min_chunk == 0) opt_.min_chunk = gran_;
   opt_.min_chunk = round_up(opt_.min_chunk, gran_);
 

@@ -1,6 +1,16 @@
-// allocator: the C++ front end. One lock serialises heap and arena; the arena's mapping work
-// only happens inside heap calls that had to grow or release (the slow path).
+// allocator: the C++ front end.
+//
+// Locks, in the order they may be taken (never the reverse):
+//   1. registry_mu   (global) thread-cache registration, thread exit, allocator destruction
+//   2. impl::mu      (per allocator) heap and arena; the arena's mapping work happens only here,
+//                    inside heap growth or release (the slow path)
+//   3. backend's own registry mutex (host backend), taken inside backend calls
+// The hot path (a small size whose thread-cache bin is non-empty, or a free into a bin with room)
+// takes none of them: it pops or pushes a per-thread stack and flips the slot's state byte.
+#include <algorithm>
+#include <atomic>
 #include <mutex>
+#include <vector>
 
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -19,6 +29,17 @@ void set_last(const status& s, const char* context) {
   tl_last.st = s;
   tl_last.message = s.ok() ? std::string() : std::string(context) + ": " + s.message();
 }
+
+// Counters written only by the owning thread, read by stats() from any thread: relaxed
+// load + store, no locked instruction on the hot path.
+struct owner_counter {
+  std::atomic<std::uint64_t> v{0};
+  void add(std::uint64_t d) { v.store(v.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
+  std::uint64_t get() const { return v.load(std::memory_order_relaxed); }
+};
+
+std::mutex registry_mu;
+std::atomic<std::uint64_t> next_allocator_id{1};
 }  // namespace
 
 const std::error_category& category() noexcept {
@@ -37,17 +58,124 @@ void throw_status(const status& s, const std::string& context) {
   throw error(s, msg);
 }
 
+struct tcache;
+
 struct allocator::impl {
   std::unique_ptr<arena> ar;
   std::unique_ptr<heap> hp;
   mutable std::mutex mu;
+  std::uint64_t id = next_allocator_id.fetch_add(1);
+  bool tc_enabled = false;
+  std::size_t tc_cap = 32;
+  std::size_t classes = 0;
+  // registry (under registry_mu): live caches, and the counters of caches whose thread ended
+  std::vector<std::shared_ptr<tcache>> caches;
+  std::uint64_t retired_req = 0, retired_allocs = 0, retired_frees = 0, retired_refilled = 0,
+                retired_flushed = 0;
+
+  tcache& my_cache();
+  void flush_cache(tcache& c, bool all);  // caller holds mu
 };
+
+// One per (thread, allocator). Bins hold slot addresses of one stream each.
+struct tcache {
+  struct entry {
+    std::uintptr_t p;
+    heap::slot_ref r;
+  };
+  struct bin {
+    stream_t stream = nullptr;
+    std::uint32_t n = 0;
+    std::vector<entry> e;
+  };
+  allocator::impl* owner;  // null once the allocator is gone (under registry_mu)
+  std::uint64_t tag = 0;   // unique per cache: the heap gives each cache its own slabs
+  std::vector<bin> bins;
+  owner_counter req_delta, cached_bytes, cached_count, fast_allocs, fast_frees, refilled, flushed;
+};
+
+namespace {
+// Thread exit: give each cache's slots back to its allocator, if that allocator still exists.
+struct tl_caches {
+  std::uint64_t last_id = 0;
+  tcache* last = nullptr;
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<tcache>>> all;
+  ~tl_caches() {
+    std::lock_guard g(registry_mu);
+    for (auto& [id, c] : all) {
+      allocator::impl* o = c->owner;
+      if (!o) continue;
+      {
+        std::lock_guard h(o->mu);
+        o->flush_cache(*c, true);
+        o->hp->set_cache_tag(c->tag, false);  // its slabs are free for others to take
+      }
+      o->retired_req += c->req_delta.get();
+      o->retired_allocs += c->fast_allocs.get();
+      o->retired_frees += c->fast_frees.get();
+      o->retired_refilled += c->refilled.get();
+      o->retired_flushed += c->flushed.get();
+      std::erase(o->caches, c);
+    }
+  }
+};
+thread_local tl_caches tl;
+}  // namespace
+
+tcache& allocator::impl::my_cache() {
+  if (tl.last_id == id) return *tl.last;
+  for (auto& [cid, c] : tl.all)
+    if (cid == id) {
+      tl.last_id = id;
+      tl.last = c.get();
+      return *c;
+    }
+  static std::atomic<std::uint64_t> next_tag{1};
+  auto c = std::make_shared<tcache>();
+  c->owner = this;
+  c->tag = next_tag.fetch_add(1);
+  {
+    std::lock_guard g(mu);
+    hp->set_cache_tag(c->tag, true);
+  }
+  c->bins.resize(classes);
+  for (auto& b : c->bins) b.e.resize(tc_cap);
+  {
+    std::lock_guard g(registry_mu);
+    caches.push_back(c);
+  }
+  tl.all.emplace_back(id, c);
+  tl.last_id = id;
+  tl.last = c.get();
+  return *c;
+}
+
+void allocator::impl::flush_cache(tcache& c, bool all) {
+  std::vector<std::uintptr_t> ps;
+  for (auto& b : c.bins) {
+    std::uint32_t keep = all ? 0 : b.n / 2;
+    std::uint64_t bytes = 0;
+    for (std::uint32_t k = keep; k < b.n; ++k) {
+      ps.push_back(b.e[k].p);
+      bytes += b.e[k].r.size;
+    }
+    c.cached_bytes.add(-bytes);
+    c.cached_count.add(-std::uint64_t(b.n - keep));
+    c.flushed.add(b.n - keep);
+    b.n = keep;
+  }
+  hp->flush(ps.data(), ps.size());
+}
 
 allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(std::make_unique<impl>()) {
   p_->ar = std::make_unique<arena>(std::move(b), o);
   status s = p_->ar->open();
   if (!s.ok()) throw_status(s, "vmm::allocator");
   p_->hp = std::make_unique<heap>(*p_->ar);
+  p_->tc_enabled = o.thread_cache && o.thread_cache_slots >= 2;
+  p_->tc_cap = std::max<std::size_t>(o.thread_cache_slots, 2);
+  for (std::size_t n = 1; p_->hp->small_class(n) >= 0; n += 256)
+    p_->classes = static_cast<std::size_t>(p_->hp->small_class(n)) + 1;
 }
 
 static std::unique_ptr<backend_iface> make_cuda(int device) {
@@ -60,22 +188,73 @@ allocator::allocator(const options& o) : allocator(make_cuda(o.device), o) {}
 
 allocator::~allocator() {
   if (!p_) return;
+  {
+    // Detach every thread's cache: their slots die with the arena below.
+    std::lock_guard g(registry_mu);
+    for (auto& c : p_->caches) c->owner = nullptr;
+    p_->caches.clear();
+  }
+  if (tl.last_id == p_->id) tl.last_id = 0, tl.last = nullptr;
+  std::erase_if(tl.all, [&](auto& e) { return e.first == p_->id; });
   p_->hp.reset();  // metadata first, then the arena unmaps and releases everything
   p_->ar.reset();
 }
 allocator::allocator(allocator&&) noexcept = default;
-allocator& allocator::operator=(allocator&&) noexcept = default;
+allocator& allocator::operator=(allocator&& o) noexcept {
+  if (this != &o) {
+    allocator dead(std::move(*this));  // runs the full teardown of what this held
+    p_ = std::move(o.p_);
+  }
+  return *this;
+}
 
 allocator allocator::host(const options& o, const host_backend_options& h) {
   return allocator(make_backend<host_backend>(h), o);
 }
 
 void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
-  if (alignment == 0) alignment = p_->ar->opts().alignment;
+  impl& m = *p_;
+  if (alignment == 0) alignment = m.ar->opts().alignment;
+  if (m.tc_enabled && alignment <= 256 && (alignment & (alignment - 1)) == 0) {
+    int cls = m.hp->small_class(bytes);
+    if (cls >= 0) {
+      tcache& c = m.my_cache();
+      auto& b = c.bins[cls];
+      if (b.n == 0) {  // refill half a bin under the lock
+        std::vector<std::uintptr_t> ps(m.tc_cap / 2);
+        std::size_t got;
+        {
+          std::lock_guard g(m.mu);
+          got = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
+        }
+        std::uint64_t bytes_in = 0;
+        for (std::size_t k = 0; k < got; ++k) {
+          b.e[k].p = ps[k];
+          m.hp->small_slot(ps[k], b.e[k].r);
+          bytes_in += b.e[k].r.size;
+        }
+        b.n = static_cast<std::uint32_t>(got);
+        b.stream = s;
+        c.cached_bytes.add(bytes_in);
+        c.cached_count.add(got);
+        c.refilled.add(got);
+      }
+      if (b.n && b.stream == s) {  // the fast path: pop, mark the slot the user's
+        auto& e = b.e[--b.n];
+        e.r.state->store(1, std::memory_order_relaxed);
+        *e.r.req = static_cast<std::uint32_t>(bytes);
+        c.req_delta.add(bytes);
+        c.cached_bytes.add(-std::uint64_t{e.r.size});
+        c.cached_count.add(-std::uint64_t{1});
+        c.fast_allocs.add(1);
+        return reinterpret_cast<void*>(e.p);
+      }
+    }
+  }
   result<std::uintptr_t> r;
   {
-    std::lock_guard g(p_->mu);
-    r = p_->hp->allocate(bytes, alignment, s);
+    std::lock_guard g(m.mu);
+    r = m.hp->allocate(bytes, alignment, s);
   }
   if (!r.ok()) {
     set_last(r.st, "allocate");
@@ -92,10 +271,33 @@ void* allocator::allocate(std::size_t bytes, std::size_t alignment, stream_t s) 
 
 status allocator::try_deallocate(void* p, stream_t s) noexcept {
   if (!p) return {};
+  impl& m = *p_;
+  auto u = reinterpret_cast<std::uintptr_t>(p);
+  heap::slot_ref r;
+  if (m.tc_enabled && m.hp->small_slot(u, r) && r.stream == s &&
+      r.state->load(std::memory_order_relaxed) == 1) {
+    tcache& c = m.my_cache();
+    auto& b = c.bins[r.cls];
+    if (b.n == 0 || b.stream == s) {  // the fast path: push onto this thread's bin
+      if (b.n == m.tc_cap) {
+        std::lock_guard g(m.mu);
+        m.flush_cache(c, false);
+      }
+      c.req_delta.add(-std::uint64_t{*r.req});
+      *r.req = 0;
+      r.state->store(2, std::memory_order_relaxed);
+      b.e[b.n++] = {u, r};
+      b.stream = s;
+      c.cached_bytes.add(r.size);
+      c.cached_count.add(1);
+      c.fast_frees.add(1);
+      return {};
+    }
+  }
   status st;
   {
-    std::lock_guard g(p_->mu);
-    st = p_->hp->deallocate(reinterpret_cast<std::uintptr_t>(p), s);
+    std::lock_guard g(m.mu);
+    st = m.hp->deallocate(u, s);
   }
   if (!st.ok()) set_last(st, "deallocate");
   return st;
@@ -122,22 +324,43 @@ std::size_t allocator::usable_size(const void* p) const {
 
 void allocator::trim(std::size_t keep) {
   status st;
+  tcache* mine = p_->tc_enabled ? &p_->my_cache() : nullptr;  // may lock mu itself: first
   {
     std::lock_guard g(p_->mu);
+    // This thread's cache goes back first (other threads' caches are theirs: at most
+    // thread_cache_slots per class each, returned when those threads end).
+    if (mine) p_->flush_cache(*mine, true);
     st = p_->hp->trim(keep);
   }
   if (!st.ok()) throw_status(st, "vmm::allocator::trim");
 }
 
 allocator_stats allocator::stats() const {
+  std::lock_guard r(registry_mu);
   std::lock_guard g(p_->mu);
   heap_stats h = p_->hp->stats();
   arena_stats a = p_->ar->stats();
+  // Slots in thread caches are allocated as far as the heap knows; the user sees them as free.
+  std::uint64_t req = p_->retired_req, cached_b = 0, cached_n = 0, fa = p_->retired_allocs,
+                ff = p_->retired_frees, rf = p_->retired_refilled, fl = p_->retired_flushed;
+  for (auto& c : p_->caches) {
+    req += c->req_delta.get();
+    cached_b += c->cached_bytes.get();
+    cached_n += c->cached_count.get();
+    fa += c->fast_allocs.get();
+    ff += c->fast_frees.get();
+    rf += c->refilled.get();
+    fl += c->flushed.get();
+  }
   allocator_stats s;
-  s.requested = h.requested;
-  s.allocated = h.allocated;
-  s.peak_requested = h.peak_requested;
-  s.peak_allocated = h.peak_allocated;
+  s.requested = h.requested + req;
+  s.allocated = h.allocated - cached_b;
+  s.live = h.live - cached_n;
+  s.allocs = h.allocs - rf + fa;
+  s.frees = h.frees - fl + ff;
+  // Peaks are exact without thread caches; with them they are sampled at refills and flushes.
+  s.peak_requested = std::max(h.peak_requested, s.requested);
+  s.peak_allocated = std::max(h.peak_allocated, s.allocated);
   s.mapped = a.mapped;
   s.physical = a.physical;
   s.reserved = a.reserved;
@@ -147,9 +370,6 @@ allocator_stats allocator::stats() const {
   s.idle = a.idle;
   s.free_chunk_bytes = a.free_chunk_bytes;
   s.slab_bytes = h.slab_bytes;
-  s.allocs = h.allocs;
-  s.frees = h.frees;
-  s.live = h.live;
   s.deferred = h.deferred;
   s.grows = h.grows;
   s.chunk_releases = h.chunk_releases;
@@ -167,8 +387,20 @@ void allocator::reset_peaks() {
 }
 
 std::string allocator::check() const {
+  std::lock_guard r(registry_mu);
   std::lock_guard g(p_->mu);
-  return p_->hp->check();
+  std::uint64_t req = p_->retired_req;
+  for (auto& c : p_->caches) {
+    req += c->req_delta.get();
+    std::uint64_t n = 0;
+    for (auto& b : c->bins) {
+      for (std::uint32_t k = 0; k < b.n; ++k)
+        if (b.e[k].r.state->load(std::memory_order_relaxed) != 2) return "a thread-cached slot is not in state 2";
+      n += b.n;
+    }
+    if (n != c->cached_count.get()) return "thread cache count is off";
+  }
+  return p_->hp->check(req);
 }
 
 std::size_t allocator::granularity() const { return p_->ar->granularity(); }

@@ -3,8 +3,10 @@
 #include "vmmalloc/heap.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cassert>
+#include <unordered_set>
 
 namespace vmm {
 
@@ -61,9 +63,14 @@ struct heap::impl {
     block* blk = nullptr;
     stream_t stream = nullptr;
     std::uint32_t cls = 0, slot = 0, nslots = 0, used = 0;  // used counts live + deferred slots
+    std::uint64_t inv = 0;  // ceil(2^40 / slot): index = off * inv >> 40, exact for off < 2^24
+    std::uint32_t index(std::uintptr_t off) const { return static_cast<std::uint32_t>((off * inv) >> 40); }
     std::vector<std::uint32_t> free;   // stack of free slot indices: pop = O(1)
-    std::vector<std::uint64_t> live;   // bitmap: double-free detection
-    std::vector<std::uint32_t> req;    // requested bytes per slot
+    // Per slot: 0 free, 1 the user's, 2 in a thread cache, 3 the user's with record_stream.
+    // Atomic bytes: thread caches flip their own slots without the heap lock.
+    std::unique_ptr<std::atomic<std::uint8_t>[]> state;
+    std::unique_ptr<std::uint32_t[]> req;  // requested bytes per slot
+    std::uint64_t owner = 0;  // thread cache that refills from it (0: none): no false sharing
     slab* prev = nullptr;              // class list of slabs with a free slot
     slab* next = nullptr;
     bool listed = false;
@@ -82,9 +89,10 @@ struct heap::impl {
   };
 
   struct page_entry {
-    slab* s = nullptr;
+    std::atomic<slab*> s{nullptr};  // read without the lock by the thread-cache free path
     block* starts = nullptr;
   };
+  slab* slab_at(std::size_t pg) const { return pages[pg].s.load(std::memory_order_acquire); }
 
   arena& a;
   std::size_t G;
@@ -650,11 +658,13 @@ struct heap::impl {
     s->cls = cls;
     s->slot = class_size[cls];
     s->nslots = static_cast<std::uint32_t>(G / s->slot);
+    s->inv = ((std::uint64_t{1} << 40) + s->slot - 1) / s->slot;
     s->free.resize(s->nslots);
     for (std::uint32_t i = 0; i < s->nslots; ++i) s->free[i] = s->nslots - 1 - i;
-    s->live.assign((s->nslots + 63) / 64, 0);
-    s->req.assign(s->nslots, 0);
-    pages[a.page_of(b->addr)].s = s.get();
+    s->state.reset(new std::atomic<std::uint8_t>[s->nslots]);
+    for (std::uint32_t i = 0; i < s->nslots; ++i) s->state[i].store(0, std::memory_order_relaxed);
+    s->req.reset(new std::uint32_t[s->nslots]());
+    pages[a.page_of(b->addr)].s.store(s.get(), std::memory_order_release);
     st.slab_bytes += G;
     ++st.slabs;
     return {s.release(), {}};
@@ -663,31 +673,50 @@ struct heap::impl {
   void destroy_slab(slab* s) {
     auto& heads = heads_for(s->stream);
     if (s->listed) list_remove(heads, s);
-    pages[a.page_of(s->base)].s = nullptr;
+    pages[a.page_of(s->base)].s.store(nullptr, std::memory_order_release);
     st.slab_bytes -= G;
     --st.slabs;
     free_large(s->blk, s->stream);
     delete s;
   }
 
-  result<std::uintptr_t> allocate_small(std::size_t n, stream_t x) {
+  result<std::uintptr_t> allocate_small(std::size_t n, stream_t x, std::uint8_t state = 1) {
     std::uint32_t cls = class_of_units[(n + kUnit - 1) / kUnit];
+    return allocate_class(cls, n, x, state);
+  }
+  // Thread caches refill from slabs they own, so two threads never write the same slab's
+  // metadata lines on their hot paths. tag 0 (the locked path) takes any slab.
+  std::unordered_set<std::uint64_t> live_tags;
+  slab* pick_slab(slab* head, std::uint64_t tag) {
+    if (!tag) return head;
+    int scanned = 0;
+    for (slab* s = head; s && scanned < 8; s = s->next, ++scanned)
+      if (s->owner == tag || s->owner == 0 || !live_tags.count(s->owner)) {
+        s->owner = tag;
+        return s;
+      }
+    return nullptr;  // every candidate belongs to another live thread: make a new slab
+  }
+
+  result<std::uintptr_t> allocate_class(std::uint32_t cls, std::size_t n, stream_t x, std::uint8_t state,
+                                        std::uint64_t tag = 0) {
     auto& heads = heads_for(x);
-    slab* s = heads[cls];
+    slab* s = pick_slab(heads[cls], tag);
     if (!s) {
       if (!deferred_frees.empty()) poll_deferred(false);
-      s = heads[cls];
+      s = pick_slab(heads[cls], tag);
       if (!s) {
         auto r = new_slab(cls, x);
         if (!r.ok()) return {0, r.st};
         s = r.value;
+        s->owner = tag;
         list_push(heads, s);
       }
     }
     std::uint32_t i = s->free.back();  // pop a free slot: the fast path
     s->free.pop_back();
     ++s->used;
-    s->live[i / 64] |= std::uint64_t{1} << (i % 64);
+    s->state[i].store(state, std::memory_order_relaxed);
     s->req[i] = static_cast<std::uint32_t>(n);
     if (s->free.empty()) list_remove(heads, s);
     note_alloc(n, s->slot);
@@ -726,7 +755,7 @@ struct heap::impl {
   }
 
   void complete_free(std::uintptr_t p, stream_t s) {
-    if (slab* sl = pages[a.page_of(p)].s) {
+    if (slab* sl = slab_at(a.page_of(p))) {
       release_slot(sl, static_cast<std::uint32_t>((p - sl->base) / sl->slot));
     } else {
       block* b = block_at(p);
@@ -767,7 +796,7 @@ heap::heap(arena& a) : p_(std::make_unique<impl>(a)) {}
 
 heap::~heap() {
   // Slabs are heap objects: collect them through the page map (every slab owns one page).
-  for (auto& e : p_->pages) delete e.s;
+  for (auto& e : p_->pages) delete e.s.load();
   for (auto& d : p_->deferred_frees)
     for (auto f : d.fences) p_->a.backend().drop_fence(f);
   for (auto& [s, ss] : p_->streams)
@@ -792,13 +821,16 @@ result<std::uintptr_t> heap::allocate(std::size_t n, std::size_t align, stream_t
 status heap::deallocate(std::uintptr_t p, stream_t s) {
   auto& m = *p_;
   if (!m.a.contains(p)) return fail(errc::invalid_pointer, "pointer not from this allocator");
-  if (impl::slab* sl = m.pages[m.a.page_of(p)].s) {
+  if (impl::slab* sl = m.slab_at(m.a.page_of(p))) {
     std::uintptr_t off = p - sl->base;
     std::uint32_t i = static_cast<std::uint32_t>(off / sl->slot);
     if (off % sl->slot || i >= sl->nslots) return fail(errc::invalid_pointer, "interior pointer (not the start of an allocation)");
-    if (!(sl->live[i / 64] >> (i % 64) & 1)) return fail(errc::invalid_pointer, "double free (block is not allocated)");
-    sl->live[i / 64] &= ~(std::uint64_t{1} << (i % 64));
+    std::uint8_t state = sl->state[i].load(std::memory_order_relaxed);
+    if (state == 0) return fail(errc::invalid_pointer, "double free (block is not allocated)");
+    if (state == 2) return fail(errc::invalid_pointer, "double free (block is already freed into a thread cache)");
+    sl->state[i].store(0, std::memory_order_relaxed);
     m.note_free(sl->req[i], sl->slot);
+    sl->req[i] = 0;
     std::vector<fence_t> fences;
     if (auto it = m.extra_streams.find(p); it != m.extra_streams.end()) {
       for (auto xs : it->second)
@@ -843,6 +875,8 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
 
 status heap::record_stream(std::uintptr_t p, stream_t s) {
   if (!usable_size(p)) return fail(errc::invalid_pointer, "record_stream: pointer not allocated");
+  if (impl::slab* sl = p_->slab_at(p_->a.page_of(p)))  // thread caches must not take this free
+    sl->state[(p - sl->base) / sl->slot].store(3, std::memory_order_relaxed);
   auto& v = p_->extra_streams[p];
   if (std::find(v.begin(), v.end(), s) == v.end()) v.push_back(s);
   return {};
@@ -851,10 +885,12 @@ status heap::record_stream(std::uintptr_t p, stream_t s) {
 std::size_t heap::usable_size(std::uintptr_t p) const {
   auto& m = *p_;
   if (!m.a.contains(p)) return 0;
-  if (impl::slab* sl = m.pages[m.a.page_of(p)].s) {
+  if (impl::slab* sl = m.slab_at(m.a.page_of(p))) {
     std::uintptr_t off = p - sl->base;
     std::uint32_t i = static_cast<std::uint32_t>(off / sl->slot);
-    if (off % sl->slot || i >= sl->nslots || !(sl->live[i / 64] >> (i % 64) & 1)) return 0;
+    if (off % sl->slot || i >= sl->nslots) return 0;
+    auto state = sl->state[i].load(std::memory_order_relaxed);
+    if (state != 1 && state != 3) return 0;
     return sl->slot;
   }
   impl::block* b = m.block_at(p);
@@ -871,7 +907,7 @@ status heap::trim(std::size_t keep) {
   // Empty slabs first: they pin chunks that are otherwise free.
   std::vector<impl::slab*> empty;
   for (auto& e : m.pages)
-    if (e.s && e.s->used == 0) empty.push_back(e.s);
+    if (impl::slab* s = e.s.load(); s && s->used == 0) empty.push_back(s);
   for (auto* s : empty) m.destroy_slab(s);
   while (m.a.free_chunk_bytes() + m.a.idle_bytes() > keep) {
     if (m.a.idle_bytes()) {
@@ -887,6 +923,54 @@ status heap::trim(std::size_t keep) {
   return {};
 }
 
+int heap::small_class(std::size_t n) const noexcept {
+  if (n == 0 || n > p_->small_limit()) return -1;
+  return p_->class_of_units[(n + kUnit - 1) / kUnit];
+}
+
+bool heap::small_slot(std::uintptr_t p, slot_ref& r) const noexcept {
+  auto& m = *p_;
+  if (!m.a.contains(p)) return false;
+  impl::slab* sl = m.slab_at(m.a.page_of(p));
+  if (!sl) return false;
+  std::uintptr_t off = p - sl->base;
+  std::uint32_t i = sl->index(off);  // no division on the free path
+  if (std::uintptr_t{i} * sl->slot != off || i >= sl->nslots) return false;
+  r.state = &sl->state[i];
+  r.req = &sl->req[i];
+  r.size = sl->slot;
+  r.cls = sl->cls;
+  r.stream = sl->stream;
+  return true;
+}
+
+void heap::set_cache_tag(std::uint64_t tag, bool alive) {
+  if (alive) p_->live_tags.insert(tag); else p_->live_tags.erase(tag);
+}
+
+std::size_t heap::refill(int cls, stream_t s, std::uintptr_t* out, std::size_t max, std::uint64_t tag) {
+  std::size_t n = 0;
+  for (; n < max; ++n) {
+    auto r = p_->allocate_class(static_cast<std::uint32_t>(cls), 0, s, 2, tag);
+    if (!r.ok()) break;
+    out[n] = r.value;
+  }
+  return n;
+}
+
+void heap::flush(const std::uintptr_t* ps, std::size_t n) {
+  auto& m = *p_;
+  for (std::size_t k = 0; k < n; ++k) {
+    impl::slab* sl = m.slab_at(m.a.page_of(ps[k]));
+    auto i = static_cast<std::uint32_t>((ps[k] - sl->base) / sl->slot);
+    assert(sl->state[i].load() == 2 && sl->req[i] == 0);
+    sl->state[i].store(0, std::memory_order_relaxed);
+    m.note_free(0, sl->slot);
+    m.release_slot(sl, i);
+  }
+  m.maybe_release();
+}
+
 heap_stats heap::stats() const { return p_->st; }
 
 void heap::reset_peaks() {
@@ -894,7 +978,7 @@ void heap::reset_peaks() {
   p_->st.peak_allocated = p_->st.allocated;
 }
 
-std::string heap::check() const {
+std::string heap::check(std::uint64_t requested_outside) const {
   auto& m = *p_;
   using block = impl::block;
   // 1. free lists: every entry free, in its class, links consistent
@@ -975,29 +1059,31 @@ std::string heap::check() const {
         ++live;
       }
     }
-    if (impl::slab* s = m.pages[pg].s) {
+    if (impl::slab* s = m.slab_at(pg)) {
       ++slabs;
       if (s->base != m.a.base() + pg * m.G || s->blk->addr != s->base) return "slab not at its page";
-      std::size_t bits = 0, pending = 0;
-      for (auto w : s->live) bits += std::popcount(w);
-      for (auto& d : m.deferred_frees) pending += d.p - s->base < m.G;
-      if (s->used != bits + pending) return "slab used count is off";
-      if (s->free.size() != s->nslots - s->used) return "slab free stack size is off";
-      for (auto i : s->free)
-        if (s->live[i / 64] >> (i % 64) & 1) return "a live slot is on the free stack";
-      if (s->listed != !s->free.empty()) return "slab class list membership is off";
+      std::size_t held = 0, pending = 0;
       for (std::uint32_t i = 0; i < s->nslots; ++i)
-        if (s->live[i / 64] >> (i % 64) & 1) {
+        if (s->state[i].load(std::memory_order_relaxed) != 0) {
+          ++held;
           allocated += s->slot;
           requested += s->req[i];
           ++live;
+        } else if (s->req[i] != 0) {
+          return "a free slot still records requested bytes";
         }
+      for (auto& d : m.deferred_frees) pending += d.p - s->base < m.G;
+      if (s->used != held + pending) return "slab used count is off";
+      if (s->free.size() != s->nslots - s->used) return "slab free stack size is off";
+      for (auto i : s->free)
+        if (s->state[i].load(std::memory_order_relaxed) != 0) return "a live slot is on the free stack";
+      if (s->listed != !s->free.empty()) return "slab class list membership is off";
     }
   }
   if (chained != blocks + huge_seen) return "page chains hold blocks that are in no span";
   if (huge_cached != m.huge_cache.size()) return "huge cache does not match the free huge blocks";
   if (slabs != m.st.slabs) return "slab count is off";
-  if (allocated != m.st.allocated || requested != m.st.requested || live != m.st.live)
+  if (allocated != m.st.allocated || requested != m.st.requested + requested_outside || live != m.st.live)
     return "heap stats do not add up (allocated/requested/live)";
   for (std::uint32_t id = 0; id < m.a.chunk_slots(); ++id) {
     auto& c = m.a.get(id);

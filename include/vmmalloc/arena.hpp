@@ -132,6 +132,8 @@ class arena {
   status release_idle(std::size_t keep);
 
   void set_fence(std::uint32_t id, fence_t f);
+  // The first release the backend refused since the last call (its handle was parked as idle).
+  status take_parked_error() { status s = parked_error_; parked_error_ = {}; return s; }
 
   arena_stats stats() const;
   void reset_peaks();
@@ -148,6 +150,7 @@ class arena {
 
  private:
   result<mem_handle> create_handle(std::size_t size);
+  void release_or_park(mem_handle h, std::size_t size);  // a refused release keeps h idle
   std::uint32_t new_chunk_slot();
   void lru_push(std::uint32_t id);
   void lru_remove(std::uint32_t id);
@@ -174,6 +177,7 @@ class arena {
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
   std::size_t peak_mapped_ = 0, peak_physical_ = 0;
   std::uint64_t stitched_ = 0, compression_fallbacks_ = 0;
+  status parked_error_;
   driver_counts calls_;
 };
 

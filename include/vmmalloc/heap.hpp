@@ -69,7 +69,8 @@ class heap {
   heap_stats stats() const;
   void reset_peaks();
   // requested_outside: requested bytes the front end's thread caches account for (mod 2^64).
-  std::string check(std::uint64_t requested_outside = 0) const;
+  // exact_requested = false: skip the requested-bytes sum (thread caches may be changing it).
+  std::string check(std::uint64_t requested_outside = 0, bool exact_requested = true) const;
 
   // ---- thread-cache support (front end) ----
   // A slab slot's metadata, readable without the lock while the slot is live or cached.

@@ -46,7 +46,7 @@ typedef struct vmm_policy {
   size_t memory_limit;        /* 0: no limit beyond the device's */
   size_t release_threshold;   /* free bytes kept mapped; SIZE_MAX: keep all (default) */
   size_t min_chunk;           /* 0: granularity */
-  size_t max_growth;          /* 0: 32 MiB */
+  size_t max_growth;          /* 0: 8 MiB */
   size_t alignment;           /* 0: 256 */
   size_t host_granularity;    /* host backend only; 0: 2 MiB */
   size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */

@@ -26,10 +26,12 @@ inline std::error_code make_error_code(errc e) noexcept { return {static_cast<in
 class error : public std::system_error {
  public:
   error(const status& s, const std::string& what);
+  const char* what() const noexcept override { return what_.c_str(); }  // no category suffix
   const status& st() const noexcept { return st_; }
 
  private:
   status st_;
+  std::string what_;
 };
 
 // Out of memory (physical, policy limit, or reservation). Catchable as std::bad_alloc.

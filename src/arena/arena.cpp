@@ -77,15 +77,29 @@ status arena::open() {
 
 arena::~arena() {
   if (!b_) return;
+  // Teardown cannot report errors: each step is retried once (a driver call refused once, as in
+  // the fault-injection sweep, must not leak a handle, a mapping or the reservation).
+  auto twice = [](auto&& f) { if (!f().ok()) f(); };
   for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
     auto& c = chunks_[id];
     if (!c.size) continue;
     if (c.fence) b_->wait_fence(c.fence), b_->drop_fence(c.fence);
-    b_->unmap(c.va, c.size);
-    b_->release(c.handle);
+    twice([&] { return b_->unmap(c.va, c.size); });
+    twice([&] { return b_->release(c.handle); });
   }
-  for (auto& [sz, h] : idle_) b_->release(h);
-  if (size_) b_->free_reservation(base_, size_);
+  for (auto& [sz, h] : idle_) twice([&] { return b_->release(h); });
+  if (size_) twice([&] { return b_->free_reservation(base_, size_); });
+}
+
+void arena::release_or_park(mem_handle h, std::size_t size) {
+  ++calls_.release;
+  status st = b_->release(h);
+  if (st.ok()) return;
+  // Refused: the handle is still ours. Keep it as idle memory; release_idle() or teardown retries.
+  ++calls_.failures;
+  idle_.emplace(size, h);
+  idle_bytes_ += size;
+  if (parked_error_.ok()) parked_error_ = st;
 }
 
 result<mem_handle> arena::create_handle(std::size_t size) {
@@ -100,8 +114,7 @@ result<mem_handle> arena::create_handle(std::size_t size) {
     bool granted = q.ok() && q.value.compressible;
     if (!granted) {
       if (opt_.compression == compression_mode::require) {
-        ++calls_.release;
-        b_->release(h.value);
+        release_or_park(h.value, size);
         return {0, fail(errc::not_supported, "cuMemCreate", "compression requested but not granted")};
       }
       ++compression_fallbacks_;
@@ -178,8 +191,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
         idle_.emplace(it->size, it->h);
         idle_bytes_ += it->size;
       } else {
-        ++calls_.release;
-        b_->release(it->h);
+        release_or_park(it->h, it->size);
       }
     }
     return {0, st};
@@ -207,7 +219,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       }
       std::size_t physical = mapped_ + idle_bytes_;
       if (want > opt_.memory_limit || physical > opt_.memory_limit - want)
-        return rollback(fail(errc::out_of_memory, "cuMemCreate", "memory limit of the policy reached"));
+        return rollback(fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached"));
       auto c = create_handle(want);
       if (!c.ok()) return rollback(c.st);
       h = c.value;
@@ -221,8 +233,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
         idle_.emplace(hsize, h);
         idle_bytes_ += hsize;
       } else {
-        ++calls_.release;
-        b_->release(h);
+        release_or_park(h, hsize);
       }
       return rollback(st);
     }
@@ -275,15 +286,17 @@ status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
   give_hole(c.va, c.size);
   mapped_ -= c.size;
   --chunk_count_;
-  if (keep_handle) {
-    idle_.emplace(c.size, c.handle);
-    idle_bytes_ += c.size;
-  } else {
-    ++calls_.release;
-    b_->release(c.handle);
-  }
+  // The unmap happened: from here on the chunk is gone whatever release() says.
+  mem_handle h = c.handle;
+  std::size_t size = c.size;
   c = chunk{};
   free_slots_.push_back(id);
+  if (keep_handle) {
+    idle_.emplace(size, h);
+    idle_bytes_ += size;
+  } else {
+    release_or_park(h, size);
+  }
   return {};
 }
 

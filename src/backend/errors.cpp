@@ -21,7 +21,7 @@ std::string status::message() const {
   if (ok()) return "ok";
   std::string m = op && *op ? std::string(op) + ": " : std::string();
   m += name && *name ? name : errc_name(kind);
-  m += " (" + std::to_string(code) + ")";
+  if (code) m += " (" + std::to_string(code) + ")";
   return m;
 }
 

@@ -50,7 +50,7 @@ const std::error_category& category() noexcept {
 const last_error_info& last_error() noexcept { return tl_last; }
 
 error::error(const status& s, const std::string& what)
-    : std::system_error(make_error_code(s.kind), what), st_(s) {}
+    : std::system_error(make_error_code(s.kind), what), st_(s), what_(what) {}
 
 void throw_status(const status& s, const std::string& context) {
   std::string msg = context + ": " + s.message();
@@ -278,14 +278,15 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
       r.state->load(std::memory_order_relaxed) == 1) {
     tcache& c = m.my_cache();
     auto& b = c.bins[r.cls];
-    if (b.n == 0 || b.stream == s) {  // the fast path: push onto this thread's bin
+    std::uint8_t expect = 1;  // claim the slot atomically: two racing frees cannot both win
+    if ((b.n == 0 || b.stream == s) &&
+        r.state->compare_exchange_strong(expect, 2, std::memory_order_acq_rel)) {  // the fast path
       if (b.n == m.tc_cap) {
         std::lock_guard g(m.mu);
         m.flush_cache(c, false);
       }
       c.req_delta.add(-std::uint64_t{*r.req});
       *r.req = 0;
-      r.state->store(2, std::memory_order_relaxed);
       b.e[b.n++] = {u, r};
       b.stream = s;
       c.cached_bytes.add(r.size);
@@ -387,20 +388,29 @@ void allocator::reset_peaks() {
 }
 
 std::string allocator::check() const {
+  // Structure, slab states, allocated/live bytes and chunk accounting are all changed under mu
+  // only, so they are checked exactly even while other threads run. Other threads' caches are
+  // theirs (bins are never read across threads); the bytes *requested* through them change
+  // without the lock, so that one sum is checked only when no other thread holds a cache.
   std::lock_guard r(registry_mu);
   std::lock_guard g(p_->mu);
   std::uint64_t req = p_->retired_req;
+  bool others = false;
   for (auto& c : p_->caches) {
     req += c->req_delta.get();
-    std::uint64_t n = 0;
-    for (auto& b : c->bins) {
-      for (std::uint32_t k = 0; k < b.n; ++k)
-        if (b.e[k].r.state->load(std::memory_order_relaxed) != 2) return "a thread-cached slot is not in state 2";
-      n += b.n;
+    if (tl.last_id == p_->id && c.get() == tl.last) {
+      std::uint64_t n = 0;
+      for (auto& b : c->bins) {
+        for (std::uint32_t k = 0; k < b.n; ++k)
+          if (b.e[k].r.state->load(std::memory_order_relaxed) != 2) return "a thread-cached slot is not in state 2";
+        n += b.n;
+      }
+      if (n != c->cached_count.get()) return "thread cache count is off";
+    } else {
+      others = true;
     }
-    if (n != c->cached_count.get()) return "thread cache count is off";
   }
-  return p_->hp->check(req);
+  return p_->hp->check(req, !others);
 }
 
 std::size_t allocator::granularity() const { return p_->ar->granularity(); }

@@ -2,6 +2,7 @@
 // and the thread-local last error.
 #include "vmmalloc/vmmalloc.h"
 
+#include <cstring>
 #include <string>
 
 #include "vmmalloc/vmmalloc.hpp"
@@ -26,6 +27,15 @@ vmm_status from_last() {
   return set(to_c(le.st.kind), le.message);
 }
 vmm_status invalid(const char* what) { return set(VMM_ERROR_INVALID_VALUE, what); }
+// A C caller may store any int in an enum field; reading it as the C++ enum type would be
+// undefined for out-of-range values, so read the bytes as an int.
+template <class E>
+int as_int(const E& e) {
+  static_assert(sizeof(E) == sizeof(int));
+  int v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
 }  // namespace
 
 extern "C" {
@@ -41,10 +51,13 @@ vmm_status vmm_create(const vmm_policy* p, vmm_allocator** out) {
   *out = nullptr;
   vmm::options o;
   o.device = p->device;
-  o.location = p->location == VMM_LOCATION_HOST_NUMA ? vmm::location_kind::host_numa : vmm::location_kind::device;
-  if (p->compression > VMM_COMPRESSION_REQUIRE || p->ipc > VMM_IPC_FABRIC) return invalid("vmm_create: bad enum value in policy");
-  o.compression = static_cast<vmm::compression_mode>(p->compression);
-  o.ipc = static_cast<vmm::ipc_kind>(p->ipc);
+  const int location = as_int(p->location), compression = as_int(p->compression), ipc = as_int(p->ipc),
+            backend = as_int(p->backend);
+  if (location < 0 || location > 1 || compression < 0 || compression > 2 || ipc < 0 || ipc > 2)
+    return invalid("vmm_create: bad enum value in policy");
+  o.location = location == VMM_LOCATION_HOST_NUMA ? vmm::location_kind::host_numa : vmm::location_kind::device;
+  o.compression = static_cast<vmm::compression_mode>(compression);
+  o.ipc = static_cast<vmm::ipc_kind>(ipc);
   o.reservation_size = p->reservation_size;
   if (p->memory_limit) o.memory_limit = p->memory_limit;
   o.release_threshold = p->release_threshold;
@@ -55,12 +68,12 @@ vmm_status vmm_create(const vmm_policy* p, vmm_allocator** out) {
     o.alignment = p->alignment;
   }
   try {
-    if (p->backend == VMM_BACKEND_HOST) {
+    if (backend == VMM_BACKEND_HOST) {
       vmm::host_backend_options h;
       if (p->host_granularity) h.granularity = p->host_granularity;
       if (p->host_physical_limit) h.physical_limit = p->host_physical_limit;
       *out = new vmm_allocator{vmm::allocator::host(o, h)};
-    } else if (p->backend == VMM_BACKEND_CUDA) {
+    } else if (backend == VMM_BACKEND_CUDA) {
       *out = new vmm_allocator{vmm::allocator(o)};
     } else {
       return invalid("vmm_create: unknown backend");
@@ -131,8 +144,9 @@ vmm_status vmm_last_status(void) { return tl_status; }
 const char* vmm_last_error(void) { return tl_message.c_str(); }
 
 const char* vmm_status_string(vmm_status s) {
-  if (s < VMM_SUCCESS || s > VMM_ERROR_OTHER) return "unknown status";
-  return vmm::errc_name(static_cast<vmm::errc>(s));
+  const int v = as_int(s);
+  if (v < VMM_SUCCESS || v > VMM_ERROR_OTHER) return "unknown status";
+  return vmm::errc_name(static_cast<vmm::errc>(v));
 }
 
 }  // extern "C"

@@ -228,8 +228,19 @@ struct heap::impl {
     return ss.done;
   }
   status wait_covered(stream_t s, std::uint64_t seq_at_free) {
-    if (fence_covers(s, seq_at_free)) return {};
     stream_state& ss = streams[s];
+    if (ss.fence_seq <= seq_at_free) {  // record a fence after that free; failing that, refuse
+      auto r = a.backend().record_fence(s);
+      if (!r.ok()) return r.st;
+      if (ss.fence) a.backend().drop_fence(ss.fence);
+      ss.fence = r.value;
+      ss.fence_seq = seq + 1;
+      ss.done = false;
+    }
+    if (ss.done || a.backend().fence_done(ss.fence)) {
+      ss.done = true;
+      return {};
+    }
     status w = a.backend().wait_fence(ss.fence);  // only this stream, never the device
     if (w.ok()) ss.done = true;
     return w;
@@ -357,7 +368,7 @@ struct heap::impl {
   }
 
   // Adds mapped [va, va+size) to the spans: extends the span ending at va, or starts a new one.
-  void add_span_range(std::uintptr_t va, std::size_t size) {
+  void add_span_range(std::uintptr_t va, std::size_t size, stream_t x) {
     block* nb = new_block();
     nb->addr = va;
     nb->size = size;
@@ -374,7 +385,7 @@ struct heap::impl {
       s->addr = va + size;
       span_ends[s->addr] = s;
       link_page(nb);
-      if ((tail->flags & f_free) && !(tail->flags & f_sentinel)) {
+      if ((tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
         // Fresh memory takes the tail's stream tag so the two can serve one request.
         nb->flags = tail->flags & (f_free | f_tagged);
         nb->stream = tail->stream;
@@ -435,7 +446,7 @@ struct heap::impl {
       r = a.map_range(want, 0, kOwnerSpan);
     }
     if (!r.ok()) return r.st;
-    add_span_range(r.value, want);
+    add_span_range(r.value, want, x);
     next_growth = std::min(next_growth * 2, std::max(a.opts().max_growth, G));
     return {};
   }
@@ -828,17 +839,25 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     std::uint8_t state = sl->state[i].load(std::memory_order_relaxed);
     if (state == 0) return fail(errc::invalid_pointer, "double free (block is not allocated)");
     if (state == 2) return fail(errc::invalid_pointer, "double free (block is already freed into a thread cache)");
+    // Fences first: if one cannot be recorded the free is refused and the block stays allocated.
+    std::vector<fence_t> fences;
+    auto drop = [&] { for (auto f : fences) m.a.backend().drop_fence(f); };
+    auto extra = m.extra_streams.find(p);
+    if (extra != m.extra_streams.end())
+      for (auto xs : extra->second) {
+        auto f = m.a.backend().record_fence(xs);
+        if (!f.ok()) return drop(), f.st;
+        if (f.value) fences.push_back(f.value);
+      }
+    if (s != sl->stream) {  // the slab's stream reuses slots at once: it must wait for s
+      auto f = m.a.backend().record_fence(s);
+      if (!f.ok()) return drop(), f.st;
+      if (f.value) fences.push_back(f.value);
+    }
+    if (extra != m.extra_streams.end()) m.extra_streams.erase(extra);
     sl->state[i].store(0, std::memory_order_relaxed);
     m.note_free(sl->req[i], sl->slot);
     sl->req[i] = 0;
-    std::vector<fence_t> fences;
-    if (auto it = m.extra_streams.find(p); it != m.extra_streams.end()) {
-      for (auto xs : it->second)
-        if (auto f = m.a.backend().record_fence(xs); f.ok() && f.value) fences.push_back(f.value);
-      m.extra_streams.erase(it);
-    }
-    if (s != sl->stream)  // the slab's stream reuses slots at once: it must wait for s
-      if (auto f = m.a.backend().record_fence(s); f.ok() && f.value) fences.push_back(f.value);
     if (!fences.empty()) {
       m.deferred_frees.push_back({p, s, std::move(fences)});
       ++m.st.deferred;
@@ -855,19 +874,29 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
   if (b->flags & impl::f_free) return fail(errc::invalid_pointer, "double free (block is not allocated)");
   for (auto& d : m.deferred_frees)
     if (d.p == p) return fail(errc::invalid_pointer, "double free (free already pending)");
-  m.note_free(b->requested, b->size);
   if (auto it = m.extra_streams.find(p); it != m.extra_streams.end()) {
     std::vector<fence_t> fences;
-    for (auto xs : it->second)
-      if (auto f = m.a.backend().record_fence(xs); f.ok() && f.value) fences.push_back(f.value);
+    for (auto xs : it->second) {
+      auto f = m.a.backend().record_fence(xs);
+      if (!f.ok()) {  // refused: the block stays allocated, record_stream state intact
+        for (auto g : fences) m.a.backend().drop_fence(g);
+        return f.st;
+      }
+      if (f.value) fences.push_back(f.value);
+    }
     m.extra_streams.erase(it);
+    m.note_free(b->requested, b->size);
     if (!fences.empty()) {
       b->requested = 0;
       m.deferred_frees.push_back({p, s, std::move(fences)});
       ++m.st.deferred;
       return {};
     }
+    if (b->flags & impl::f_huge) m.free_huge(b, s); else m.free_large(b, s);
+    m.maybe_release();
+    return {};
   }
+  m.note_free(b->requested, b->size);
   if (b->flags & impl::f_huge) m.free_huge(b, s); else m.free_large(b, s);
   m.maybe_release();
   return {};
@@ -920,7 +949,7 @@ status heap::trim(std::size_t keep) {
     status r = m.release_chunk(m.a.oldest_free_chunk(), false, true, busy);
     if (!r.ok()) return r;
   }
-  return {};
+  return m.a.take_parked_error();  // a refused release is reported (its handle stays for retry)
 }
 
 int heap::small_class(std::size_t n) const noexcept {
@@ -978,7 +1007,7 @@ void heap::reset_peaks() {
   p_->st.peak_allocated = p_->st.allocated;
 }
 
-std::string heap::check(std::uint64_t requested_outside) const {
+std::string heap::check(std::uint64_t requested_outside, bool exact_requested) const {
   auto& m = *p_;
   using block = impl::block;
   // 1. free lists: every entry free, in its class, links consistent
@@ -1067,7 +1096,7 @@ std::string heap::check(std::uint64_t requested_outside) const {
         if (s->state[i].load(std::memory_order_relaxed) != 0) {
           ++held;
           allocated += s->slot;
-          requested += s->req[i];
+          if (exact_requested) requested += s->req[i];  // others may be writing it
           ++live;
         } else if (s->req[i] != 0) {
           return "a free slot still records requested bytes";
@@ -1083,7 +1112,8 @@ std::string heap::check(std::uint64_t requested_outside) const {
   if (chained != blocks + huge_seen) return "page chains hold blocks that are in no span";
   if (huge_cached != m.huge_cache.size()) return "huge cache does not match the free huge blocks";
   if (slabs != m.st.slabs) return "slab count is off";
-  if (allocated != m.st.allocated || requested != m.st.requested + requested_outside || live != m.st.live)
+  if (allocated != m.st.allocated || live != m.st.live ||
+      (exact_requested && requested != m.st.requested + requested_outside))
     return "heap stats do not add up (allocated/requested/live)";
   for (std::uint32_t id = 0; id < m.a.chunk_slots(); ++id) {
     auto& c = m.a.get(id);

@@ -1,0 +1,372 @@
+// The scripted, deterministic workload of the fault sweep, and a runner that executes it on a
+// fresh allocator over a fault-injecting host backend, checking after every step.
+#pragma once
+
+#include <array>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fault/pattern.hpp"
+#include "support/fault_backend.hpp"
+#include "vmmalloc/vmmalloc.hpp"
+
+namespace vmm::test {
+
+inline constexpr std::size_t KiB = std::size_t{1} << 10, MiB = std::size_t{1} << 20,
+                             GiB = std::size_t{1} << 30;
+
+struct step {
+  enum kind_t { alloc, dealloc, trim } kind;
+  int id = -1;
+  std::size_t size = 0;   // alloc: bytes; trim: bytes kept
+  std::size_t align = 0;  // alloc: 0 = default
+  int stream = 0;         // 0 = default stream (nullptr), i = fake tag (void*)i
+};
+
+inline stream_t stream_tag(int s) { return s ? reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(s)) : nullptr; }
+
+// Options of the sweep: huge reached at 16 MiB, geometric growth capped at 4 MiB (many chunks),
+// release threshold 64 MiB (frees of big blocks unmap chunks during the workload), 8 GiB VA.
+inline options sweep_options() {
+  options o;
+  o.reservation_size = 8 * GiB;
+  o.huge_threshold = 16 * MiB;
+  o.max_growth = 4 * MiB;
+  o.release_threshold = 64 * MiB;
+  return o;
+}
+inline host_backend_options sweep_host_options() {
+  host_backend_options h;
+  h.physical_limit = 32 * GiB;  // generous: only injected faults fail
+  return h;
+}
+
+inline std::vector<step> sweep_script() {
+  std::vector<step> s;
+  auto A = [&](int id, std::size_t n, std::size_t align = 0, int stream = 0) {
+    s.push_back({step::alloc, id, n, align, stream});
+  };
+  auto F = [&](int id, int stream = 0) { s.push_back({step::dealloc, id, 0, 0, stream}); };
+  auto T = [&](std::size_t keep) { s.push_back({step::trim, -1, keep, 0, 0}); };
+
+  // every path: small (100 B, 4 KiB, 64 KiB), large (300 KiB, 3 MiB), huge (40 MiB, 300 MiB)
+  A(0, 100);
+  A(1, 4 * KiB);
+  A(2, 64 * KiB);
+  A(3, 300 * KiB);
+  A(4, 3 * MiB);
+  A(5, 40 * MiB);
+  A(6, 300 * MiB);
+  // growth across many chunks (max_growth 4 MiB)
+  for (int i = 0; i < 20; ++i) A(10 + i, MiB + MiB / 4 + i * 4 * KiB);
+  // frees in mixed order (coalescing; a huge free above the release threshold unmaps)
+  for (int id : {4, 1, 12, 11, 13, 6, 0, 15, 17, 16}) F(id);
+  A(7, 300 * MiB);
+  A(8, 40 * MiB);
+  F(5);
+  A(9, 40 * MiB);  // huge cache
+  // streams: cross-stream frees (fences recorded), reuse on another stream
+  A(40, 512 * KiB, 0, 1);
+  F(40, 2);
+  A(41, 1000, 0, 1);
+  F(41, 2);
+  A(42, 2000, 0, 2);
+  A(43, 700 * KiB, 0, 2);
+  A(46, 3000, 0, 3);
+  // alignment above the default
+  A(44, 256 * KiB, 64 * KiB);
+  A(45, 5000, 4 * KiB);
+  T(0);
+  // growth again after the trim, then frees and a request served by stitching free chunks
+  for (int i = 0; i < 10; ++i) A(50 + i, 2 * MiB + MiB / 2);
+  for (int id : {53, 51, 54, 50, 59, 52, 58, 55, 57, 56}) F(id);
+  A(60, 10 * MiB);
+  A(61, 20 * MiB);  // huge again, possibly from idle handles
+  T(32 * MiB);
+  // free everything else in a scrambled order
+  for (int id : {43, 2, 61, 10, 46, 3, 7, 19, 44, 14, 29, 18, 60, 42, 20, 9, 21, 45, 8, 22, 23,
+                 24, 25, 26, 27, 28})
+    F(id, id % 3);
+  T(0);
+  return s;
+}
+
+// A second script for the destructor: the allocator is destroyed with live blocks (small, large,
+// huge), a cached free huge block, free chunks and idle handles, so that ~arena has unmaps,
+// releases and the reservation to tear down. Default release threshold (keep everything).
+inline options teardown_options() {
+  options o = sweep_options();
+  o.release_threshold = std::numeric_limits<std::size_t>::max();
+  return o;
+}
+inline std::vector<step> teardown_script() {
+  std::vector<step> s;
+  auto A = [&](int id, std::size_t n, std::size_t align = 0, int stream = 0) {
+    s.push_back({step::alloc, id, n, align, stream});
+  };
+  auto F = [&](int id, int stream = 0) { s.push_back({step::dealloc, id, 0, 0, stream}); };
+  A(0, 100);
+  A(1, 4 * KiB);
+  A(2, 64 * KiB);
+  A(3, 300 * KiB);
+  A(4, 3 * MiB);
+  A(5, 40 * MiB);
+  A(6, 300 * MiB);
+  for (int i = 0; i < 8; ++i) A(10 + i, MiB + MiB / 4);
+  for (int id : {4, 11, 12, 13, 5}) F(id);  // free chunks and a cached huge block
+  A(7, 24 * MiB);                           // stitch_on_grow: free chunks become idle handles
+  A(8, 700, 0, 1);
+  return s;  // destroyed with everything else live
+}
+
+struct run_config {
+  bool armed = false;
+  op which = op::create;
+  std::uint64_t k = 0;
+  fault f = fault::out_of_memory;
+  bool sticky = false;
+  bool exceptions = false;  // allocate() + catch instead of try_allocate()
+};
+
+struct run_result {
+  std::array<std::uint64_t, op_count> after_open{}, after_workload{}, total{};
+  std::uint64_t injected = 0, injected_in_dtor = 0;
+  int failed_steps = 0;       // steps that reported an injected failure to the caller
+  int absorbed = 0;           // steps with an injection that still succeeded (fallback path)
+  bool ctor_failed = false;
+  std::int64_t handles = 0, mappings = 0, reservations = 0;  // after destruction
+  std::size_t bytes_verified = 0;
+  std::vector<std::string> problems;
+};
+
+namespace detail {
+inline std::string describe(const run_config& c) {
+  if (!c.armed) return "unarmed";
+  char b[160];
+  std::snprintf(b, sizeof b, "%s k=%llu %s%s%s", op_name(c.which),
+                static_cast<unsigned long long>(c.k), fault_name(c.f), c.sticky ? " sticky" : "",
+                c.exceptions ? " (exceptions)" : "");
+  return b;
+}
+inline bool same_status(const status& a, const status& b) {
+  return a.kind == b.kind && a.code == b.code && std::string(a.name) == b.name &&
+         std::string(a.op) == b.op;
+}
+}  // namespace detail
+
+// Runs the script once on a fresh allocator. Every problem found is appended to result.problems.
+// end_empty: the script frees everything and ends with trim(0), so stats and mappings must be back
+// to zero before destruction; otherwise the allocator is destroyed with live blocks.
+inline run_result run_workload(const run_config& cfg, const std::vector<step>& script,
+                               const options& opts = sweep_options(), bool end_empty = true) {
+  run_result res;
+  auto st = std::make_shared<fault_state>();
+  auto problem = [&](const std::string& what) { res.problems.push_back(detail::describe(cfg) + ": " + what); };
+  if (cfg.armed) st->arm(cfg.which, cfg.k, cfg.f, cfg.sticky);
+
+  // ---- construction (granularity, reserve happen here) ----
+  std::unique_ptr<allocator> a;
+  for (int attempt = 0; attempt < 2 && !a; ++attempt) {
+    std::uint64_t before = st->injected();
+    std::optional<status> got;
+    try {
+      a = std::make_unique<allocator>(make_fault_host(st, sweep_host_options()), opts);
+    } catch (const out_of_memory& e) {
+      got = e.st();
+    } catch (const error& e) {
+      got = e.st();
+      if (e.code() != make_error_code(e.st().kind)) problem("constructor: error code does not match its status");
+    }
+    if (!got) break;
+    res.ctor_failed = true;
+    if (st->injected() == before) {
+      problem("constructor failed without an injected fault: " + got->message());
+      return res;
+    }
+    if (!detail::same_status(*got, st->last_injected()))
+      problem("constructor: reported " + got->message() + ", injected " + st->last_injected().message());
+    if (got->kind == errc::out_of_memory) {
+      // must have been thrown as out_of_memory (checked by the catch clause order above)
+    }
+    if (!st->nothing_live()) problem("failed construction leaked backend objects");
+    st->disarm();
+  }
+  if (!a) {
+    problem("allocator could not be constructed after the fault was spent");
+    return res;
+  }
+  res.after_open = st->all_calls();
+  fault_backend* fb = as_fault(a->backend());
+  host_backend* hb = fb ? fb->host() : nullptr;
+  if (!hb) {
+    problem("no host backend inside the decorator");
+    return res;
+  }
+
+  struct live_block {
+    void* p;
+    std::size_t size;
+  };
+  std::map<int, live_block> live;
+
+  auto verify_all = [&](const char* when) {
+    for (auto& [id, b] : live) {
+      std::size_t bad;
+      res.bytes_verified += verify_block(b.p, b.size, static_cast<std::uint64_t>(id), &bad);
+      if (bad != SIZE_MAX)
+        problem(std::string(when) + ": block " + std::to_string(id) + " corrupted at offset " +
+                std::to_string(bad));
+    }
+  };
+  auto counts_agree = [&]() {
+    return st->live_handles() == static_cast<std::int64_t>(hb->live_handles()) &&
+           st->live_mappings() == static_cast<std::int64_t>(hb->live_mappings()) &&
+           st->live_reservations() == static_cast<std::int64_t>(hb->live_reservations());
+  };
+
+  // Executes one step; returns the failure status (ok() when it succeeded).
+  auto execute = [&](const step& s) -> status {
+    switch (s.kind) {
+      case step::alloc: {
+        void* p = nullptr;
+        status fail_st;
+        if (cfg.exceptions) {
+          try {
+            p = a->allocate(s.size, s.align, stream_tag(s.stream));
+          } catch (const out_of_memory& e) {
+            fail_st = e.st();
+            if (e.st().kind != errc::out_of_memory) problem("out_of_memory thrown for a non-OOM status");
+          } catch (const error& e) {
+            fail_st = e.st();
+            if (e.st().kind == errc::out_of_memory) problem("vmm::error thrown for an OOM status");
+            if (e.code() != make_error_code(e.st().kind)) problem("vmm::error code does not match its status");
+          }
+        } else {
+          p = a->try_allocate(s.size, s.align, stream_tag(s.stream));
+          if (!p) {
+            fail_st = last_error().st;
+            if (last_error().message.empty()) problem("try_allocate failed with an empty last_error message");
+          }
+        }
+        if (!p) {
+          if (fail_st.ok()) problem("allocation failed with an ok status");
+          return fail_st.ok() ? status{errc::other, 0, "?", "?"} : fail_st;
+        }
+        std::size_t align = s.align ? std::max<std::size_t>(s.align, 256) : 256;
+        if (reinterpret_cast<std::uintptr_t>(p) % align) problem("misaligned block " + std::to_string(s.id));
+        if (a->usable_size(p) < s.size) problem("usable_size below the request for block " + std::to_string(s.id));
+        fill_block(p, s.size, static_cast<std::uint64_t>(s.id));
+        live[s.id] = {p, s.size};
+        return {};
+      }
+      case step::dealloc: {
+        auto it = live.find(s.id);
+        if (it == live.end()) return {};  // its allocation was skipped (cannot happen: retried)
+        std::size_t bad;
+        res.bytes_verified += verify_block(it->second.p, it->second.size, static_cast<std::uint64_t>(s.id), &bad);
+        if (bad != SIZE_MAX)
+          problem("block " + std::to_string(s.id) + " corrupted at offset " + std::to_string(bad) + " before its free");
+        status d = a->try_deallocate(it->second.p, stream_tag(s.stream));
+        if (!d.ok()) {
+          problem("deallocate of block " + std::to_string(s.id) + " failed: " + d.message());
+          return d;
+        }
+        live.erase(it);
+        return {};
+      }
+      case step::trim: {
+        try {
+          a->trim(s.size);
+        } catch (const out_of_memory& e) {
+          return e.st();
+        } catch (const error& e) {
+          return e.st();
+        }
+        return {};
+      }
+    }
+    return {};
+  };
+
+  for (std::size_t i = 0; i < script.size(); ++i) {
+    const step& s = script[i];
+    std::uint64_t before = st->injected();
+    status r = execute(s);
+    bool injected_now = st->injected() > before;
+    if (injected_now) st->disarm();  // a sticky fault lasts one API call
+    std::string where = "step " + std::to_string(i);
+    if (!r.ok()) {
+      if (!injected_now) {
+        problem(where + " failed without an injected fault: " + r.message());
+      } else {
+        ++res.failed_steps;
+        if (!detail::same_status(r, st->last_injected()))
+          problem(where + " reported " + r.message() + " but the driver said " + st->last_injected().message());
+      }
+    } else if (injected_now) {
+      ++res.absorbed;
+    }
+    if (std::string c = a->check(); !c.empty()) problem(where + ": check() failed: " + c);
+    if (!counts_agree()) problem(where + ": decorator live counts disagree with the host backend");
+    if (injected_now) verify_all("after an injected fault");
+    if (!r.ok()) {
+      status r2 = execute(s);  // the fault is spent: the same call must now succeed
+      if (!r2.ok()) problem(where + " still fails after the fault was spent: " + r2.message());
+      if (std::string c = a->check(); !c.empty()) problem(where + ": check() failed after the retry: " + c);
+    }
+  }
+  res.after_workload = st->all_calls();
+
+  allocator_stats sx = a->stats();
+  if (end_empty) {
+    if (!live.empty()) problem("script left blocks live");
+    if (sx.requested || sx.allocated || sx.live) problem("stats not back to zero after every free");
+    if (sx.mapped || sx.physical) problem("mapped/physical not zero after the final trim(0)");
+  } else {
+    verify_all("before destruction");
+    if (sx.live != live.size()) problem("stats().live does not match the live blocks");
+  }
+  if (!counts_agree()) problem("decorator live counts disagree with the host backend at the end");
+
+  // ---- destruction ----
+  std::uint64_t before = st->injected();
+  a.reset();
+  res.injected_in_dtor = st->injected() - before;
+  res.total = st->all_calls();
+  res.injected = st->injected();
+  res.handles = st->live_handles();
+  res.mappings = st->live_mappings();
+  res.reservations = st->live_reservations();
+
+  if (!res.injected_in_dtor) {
+    if (!st->nothing_live())
+      problem("leak after destruction: handles " + std::to_string(res.handles) + ", mappings " +
+              std::to_string(res.mappings) + ", reservations " + std::to_string(res.reservations));
+  } else {
+    // Documented policy: the destructor cannot report errors; it goes on tearing down everything
+    // else and leaks exactly what the driver refused to destroy. A refused unmap also keeps the
+    // reservation (the driver will not free a reservation with a live mapping in it). A sticky
+    // fault refuses every later call of its kind, so each refused call leaks its object.
+    std::int64_t eh = 0, em = 0, er = 0, n = static_cast<std::int64_t>(res.injected_in_dtor);
+    switch (cfg.which) {
+      case op::unmap: em = n, er = 1; break;
+      case op::release: eh = n; break;
+      case op::free_reservation: er = 1; break;
+      default: break;
+    }
+    if (res.handles != eh || res.mappings != em || res.reservations != er)
+      problem("destructor fault leaked more than the refused object: handles " +
+              std::to_string(res.handles) + ", mappings " + std::to_string(res.mappings) +
+              ", reservations " + std::to_string(res.reservations));
+  }
+  if (res.handles < 0 || res.mappings < 0 || res.reservations < 0)
+    problem("negative live counts: an object was destroyed twice");
+  return res;
+}
+
+}  // namespace vmm::test

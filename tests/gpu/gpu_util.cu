@@ -1,0 +1,264 @@
+// Kernels and host wrappers of the GPU tests; see gpu_util.cuh.
+#include "gpu_util.cuh"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+namespace gpu {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr std::size_t kMaxBlocks = 8192;   // grid-stride beyond this
+constexpr int kSpinBlocks = 16;            // leaves most SMs to other streams
+constexpr int kCounters = 256;             // > threads that verify at once; more wait
+constexpr std::size_t kScratch = 4096;
+
+__device__ __forceinline__ std::uint64_t global_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void write_pass(unsigned char* p, std::size_t n, std::uint64_t seed) {
+  const std::size_t words = (n + 7) / 8;
+  const bool aligned = (reinterpret_cast<std::uintptr_t>(p) % 8) == 0;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t w = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
+       w += stride) {
+    const std::uint64_t v = pattern_word(seed, w);
+    const std::size_t b = w * 8;
+    if (aligned && b + 8 <= n) {
+      reinterpret_cast<std::uint64_t*>(p)[w] = v;
+    } else {
+      for (int k = 0; k < 8 && b + k < n; ++k) p[b + k] = static_cast<unsigned char>(v >> (8 * k));
+    }
+  }
+}
+
+__global__ void fill_kernel(unsigned char* p, std::size_t n, std::uint64_t seed) {
+  write_pass(p, n, seed);
+}
+
+__global__ void spin_fill_kernel(unsigned char* p, std::size_t n, std::uint64_t seed,
+                                 std::uint64_t ns) {
+  const std::uint64_t t0 = global_ns();
+  do {
+    write_pass(p, n, seed);  // at least one whole pass, the last one after the deadline
+  } while (global_ns() - t0 < ns);
+}
+
+__global__ void verify_kernel(const unsigned char* p, std::size_t n, std::uint64_t seed,
+                              unsigned long long* mismatches) {
+  const std::size_t words = (n + 7) / 8;
+  const bool aligned = (reinterpret_cast<std::uintptr_t>(p) % 8) == 0;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  unsigned long long bad = 0;
+  for (std::size_t w = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
+       w += stride) {
+    const std::uint64_t v = pattern_word(seed, w);
+    const std::size_t b = w * 8;
+    if (aligned && b + 8 <= n) {
+      const std::uint64_t got = reinterpret_cast<const std::uint64_t*>(p)[w];
+      if (got != v) {
+        const std::uint64_t x = got ^ v;  // count differing bytes, not words
+        for (int k = 0; k < 8; ++k) bad += ((x >> (8 * k)) & 0xFF) != 0;
+      }
+    } else {
+      for (int k = 0; k < 8 && b + k < n; ++k)
+        bad += p[b + k] != static_cast<unsigned char>(v >> (8 * k));
+    }
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+unsigned grid_for(std::size_t n, std::size_t max_blocks) {
+  const std::size_t words = (n + 7) / 8;
+  const std::size_t blocks = (words + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(std::clamp<std::size_t>(blocks, 1, max_blocks));
+}
+
+// Counters for verify(): one cudaMalloc at init, handed out one per verify() in flight.
+struct state {
+  std::mutex m;
+  std::condition_variable cv;
+  bool ready = false;
+  unsigned long long* counters = nullptr;  // kCounters counters, then kScratch bytes
+  std::vector<int> free_slots;
+  std::vector<cudaStream_t> streams;
+};
+
+state& st() {
+  static state* s = new state;  // never destroyed: usable from any thread until exit
+  return *s;
+}
+
+int acquire_counter() {
+  state& s = st();
+  std::unique_lock lk(s.m);
+  if (!s.ready) {
+    std::fprintf(stderr, "gpu_util: init() was not called\n");
+    std::abort();
+  }
+  s.cv.wait(lk, [&] { return !s.free_slots.empty(); });
+  int i = s.free_slots.back();
+  s.free_slots.pop_back();
+  return i;
+}
+
+void release_counter(int i) {
+  state& s = st();
+  {
+    std::lock_guard lk(s.m);
+    s.free_slots.push_back(i);
+  }
+  s.cv.notify_one();
+}
+
+}  // namespace
+
+void check(cudaError_t e, const char* what, const char* file, int line) {
+  if (e == cudaSuccess) return;
+  std::fprintf(stderr, "\nCUDA error: %s\n  at %s:%d\n  -> %s (%d): %s\n", what, file, line,
+               cudaGetErrorName(e), static_cast<int>(e), cudaGetErrorString(e));
+  std::fflush(stderr);
+  std::abort();
+}
+
+bool has_device(std::string* why) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    if (why)
+      *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(e) + " (" +
+             cudaGetErrorString(e) + ")";
+    (void)cudaGetLastError();  // not sticky; clear it anyway
+    return false;
+  }
+  if (n <= 0) {
+    if (why) *why = "no CUDA device (cudaGetDeviceCount returned 0)";
+    return false;
+  }
+  return true;
+}
+
+void init() {
+  state& s = st();
+  std::lock_guard lk(s.m);
+  if (s.ready) return;
+  GPU_CHECK(cudaSetDevice(0));
+  GPU_CHECK(cudaFree(nullptr));  // creates the primary context now
+  void* mem = nullptr;
+  GPU_CHECK(cudaMalloc(&mem, kCounters * sizeof(unsigned long long) + kScratch));
+  s.counters = static_cast<unsigned long long*>(mem);
+  s.free_slots.clear();
+  for (int i = kCounters - 1; i >= 0; --i) s.free_slots.push_back(i);
+  s.streams.resize(stream_pool_size);
+  for (auto& x : s.streams) GPU_CHECK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  // Load every kernel now (CUDA_MODULE_LOADING=LAZY loads on first launch).
+  auto* scratch = reinterpret_cast<unsigned char*>(s.counters + kCounters);
+  fill_kernel<<<1, kThreads>>>(scratch, kScratch, 1);
+  GPU_CHECK_LAUNCH("fill_kernel (warm-up)");
+  spin_fill_kernel<<<1, kThreads>>>(scratch, kScratch, 2, 0);
+  GPU_CHECK_LAUNCH("spin_fill_kernel (warm-up)");
+  GPU_CHECK(cudaMemset(s.counters, 0, sizeof(unsigned long long)));
+  verify_kernel<<<1, kThreads>>>(scratch, kScratch, 2, s.counters);
+  GPU_CHECK_LAUNCH("verify_kernel (warm-up)");
+  unsigned long long bad = ~0ull;
+  GPU_CHECK(cudaMemcpy(&bad, s.counters, sizeof bad, cudaMemcpyDeviceToHost));
+  GPU_CHECK(cudaDeviceSynchronize());
+  if (bad != 0) {
+    std::fprintf(stderr, "gpu_util: self-test failed: %llu mismatching bytes in scratch\n", bad);
+    std::abort();
+  }
+  s.ready = true;
+}
+
+void shutdown() {
+  state& s = st();
+  std::lock_guard lk(s.m);
+  if (!s.ready) return;
+  GPU_CHECK(cudaDeviceSynchronize());
+  for (auto x : s.streams) GPU_CHECK(cudaStreamDestroy(x));
+  s.streams.clear();
+  GPU_CHECK(cudaFree(s.counters));
+  s.counters = nullptr;
+  s.free_slots.clear();
+  s.ready = false;
+}
+
+void fill(void* p, std::size_t n, std::uint64_t seed, cudaStream_t s) {
+  if (n == 0) return;
+  fill_kernel<<<grid_for(n, kMaxBlocks), kThreads, 0, s>>>(static_cast<unsigned char*>(p), n, seed);
+  GPU_CHECK_LAUNCH("fill_kernel launch");
+}
+
+void spin_fill(void* p, std::size_t n, std::uint64_t seed, std::uint64_t ns, cudaStream_t s) {
+  if (n == 0) return;
+  spin_fill_kernel<<<grid_for(n, kSpinBlocks), kThreads, 0, s>>>(static_cast<unsigned char*>(p), n,
+                                                                 seed, ns);
+  GPU_CHECK_LAUNCH("spin_fill_kernel launch");
+}
+
+std::uint64_t verify(const void* p, std::size_t n, std::uint64_t seed, cudaStream_t s) {
+  if (n == 0) return 0;
+  const int slot = acquire_counter();
+  unsigned long long* counter = st().counters + slot;
+  unsigned long long bad = 0;
+  GPU_CHECK(cudaMemsetAsync(counter, 0, sizeof *counter, s));
+  verify_kernel<<<grid_for(n, kMaxBlocks), kThreads, 0, s>>>(static_cast<const unsigned char*>(p),
+                                                             n, seed, counter);
+  GPU_CHECK_LAUNCH("verify_kernel launch");
+  GPU_CHECK(cudaMemcpyAsync(&bad, counter, sizeof bad, cudaMemcpyDeviceToHost, s));
+  GPU_CHECK(cudaStreamSynchronize(s));
+  release_counter(slot);
+  return bad;
+}
+
+void device_memory(std::size_t& free, std::size_t& total) {
+  GPU_CHECK(cudaMemGetInfo(&free, &total));
+}
+
+cudaStream_t stream(int i) {
+  state& s = st();
+  std::lock_guard lk(s.m);
+  if (!s.ready) {
+    std::fprintf(stderr, "gpu_util: init() was not called\n");
+    std::abort();
+  }
+  return s.streams[static_cast<std::size_t>(i < 0 ? -i : i) % s.streams.size()];
+}
+
+std::string describe_device() {
+  int dev = 0, rt = 0, drv = 0;
+  GPU_CHECK(cudaGetDevice(&dev));
+  cudaDeviceProp prop{};
+  GPU_CHECK(cudaGetDeviceProperties(&prop, dev));
+  GPU_CHECK(cudaRuntimeGetVersion(&rt));
+  GPU_CHECK(cudaDriverGetVersion(&drv));
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%s, cc %d.%d, %zu MiB, %d SMs, runtime %d, driver API %d",
+                prop.name, prop.major, prop.minor, prop.totalGlobalMem >> 20,
+                prop.multiProcessorCount, rt, drv);
+  return buf;
+}
+
+std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  unsigned long long x = std::strtoull(v, &end, 0);
+  if (end == v || *end) {
+    std::fprintf(stderr, "gpu tests: %s=%s is not a number; using %llu\n", name, v,
+                 static_cast<unsigned long long>(fallback));
+    return fallback;
+  }
+  return x;
+}
+
+bool skip_meminfo_checks() { return env_u64("VMM_GPU_SKIP_MEMINFO", 0) != 0; }
+
+}  // namespace gpu

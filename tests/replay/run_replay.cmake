@@ -1,0 +1,28 @@
+# Runs vmm-replay on the shared trace and asserts: exit 0, the table and the
+# "peak mapped / peak live" line for vmmalloc are printed, and the JSON has both allocators.
+# (A plain add_test with PASS_REGULAR_EXPRESSION would ignore the exit code.)
+execute_process(
+  COMMAND ${REPLAY} ${TRACE} --allocators vmmalloc,null --check-every 50000 --json ${JSON}
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+message("${out}")
+if(err)
+  message("stderr:\n${err}")
+endif()
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "vmm-replay exited with ${rc}")
+endif()
+if(NOT out MATCHES "vmmalloc: peak mapped / peak live = [0-9.]+")
+  message(FATAL_ERROR "no 'vmmalloc: peak mapped / peak live' line in the output")
+endif()
+if(NOT out MATCHES "\\| null \\|")
+  message(FATAL_ERROR "no null row in the table")
+endif()
+file(READ ${JSON} json)
+foreach(key name ns_per_op peak_live_bytes peak_mapped_bytes peak_reserved_bytes driver_calls)
+  if(NOT json MATCHES "\"${key}\"")
+    message(FATAL_ERROR "JSON lacks key ${key}")
+  endif()
+endforeach()
+if(NOT json MATCHES "\"name\": \"vmmalloc\"" OR NOT json MATCHES "\"name\": \"null\"")
+  message(FATAL_ERROR "JSON lacks the vmmalloc or null entry")
+endif()

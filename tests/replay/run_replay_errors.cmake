@@ -1,0 +1,27 @@
+# vmm-replay's error paths: a malformed line exits 2 naming file:line; a failed allocation (vmmalloc
+# rejects size 0, a request the trace may legally hold) exits 3 naming the event and its line.
+execute_process(COMMAND ${REPLAY} ${SRC}/bad-trace.txt --allocators vmmalloc
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+message("${out}${err}")
+if(NOT rc EQUAL 2)
+  message(FATAL_ERROR "malformed trace: exit ${rc}, want 2")
+endif()
+if(NOT err MATCHES "bad-trace.txt:4: unknown event 'x'")
+  message(FATAL_ERROR "malformed trace: message does not name line 4")
+endif()
+
+execute_process(COMMAND ${REPLAY} ${SRC}/zero-size-trace.txt --allocators null,vmmalloc
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+message("${out}${err}")
+if(NOT rc EQUAL 3)
+  message(FATAL_ERROR "failed allocation: exit ${rc}, want 3")
+endif()
+if(NOT err MATCHES "allocation failed at event 1 \\(line 2: a 20 0 0")
+  message(FATAL_ERROR "failed allocation: message does not name event 1 / line 2")
+endif()
+
+execute_process(COMMAND ${REPLAY} ${SRC}/bad-trace.txt --allocators nosuch
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 2)
+  message(FATAL_ERROR "unknown allocator: exit ${rc}, want 2")
+endif()

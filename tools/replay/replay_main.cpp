@@ -1,0 +1,483 @@
+// vmm-replay: replays an allocation trace through several allocators in one run and prints, for
+// each, ns per event and how much memory it held against what was live.
+//
+//   vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE] [--check-every N]
+//                    [--warm] [--device N]
+//
+// Method (same for every allocator):
+//  * The whole trace is parsed first (ADDR names -> dense slot ids), so the timed loop is vector
+//    indexing plus one virtual call per event. The `null` allocator runs the same loop with fake
+//    addresses: its ns/event is the harness's own cost, and the table shows each allocator net of it.
+//  * Timed: wall clock from the first event to the last (plus a final synchronize for CUDA peers),
+//    events = allocations + frees of the trace. Pauses for --check-every, memory sampling and
+//    progress are timed separately and subtracted.
+//  * Cold by default: each allocator starts empty, like vmmalloc and cudaMalloc always do.
+//    --warm replays once untimed first (then frees the remainder and resets peaks), for every
+//    allocator alike: cudaMallocAsync's pool and vmmalloc's chunks are then already grown.
+//  * Blocks the trace never frees are freed after the timed region; then vmmalloc must report
+//    check() == "" and stats().requested == 0.
+// Exit codes: 0 ok, 1 setup (no driver / device, bad option value), 2 bad usage or malformed
+// trace (with its line number), 3 an allocation or free failed, 4 check() or accounting failed.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "peers.hpp"
+#include "trace.hpp"
+
+namespace {
+
+using namespace vmm::replay;
+using clk = std::chrono::steady_clock;
+
+struct cli {
+  std::string trace_path;
+  std::string backend = "host";
+  std::string allocators;  // empty: default for the backend
+  std::string json;
+  std::uint64_t check_every = 0;
+  bool warm = false;
+  int device = 0;
+};
+
+[[noreturn]] void usage(const char* msg) {
+  if (msg && *msg) std::fprintf(stderr, "vmm-replay: %s\n", msg);
+  std::fprintf(stderr,
+               "usage: vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE]\n"
+               "                        [--check-every N] [--warm] [--device N]\n"
+               "  TRACE          trace file, plain text or .gz ('a|f ADDR SIZE STREAM' lines)\n"
+               "  --backend      vmmalloc's backend: host (memfd, default) or cuda (the GPU)\n"
+               "  --allocators   comma list of: vmmalloc, null, malloc%s%s\n"
+               "                 (default: vmmalloc,null; with --backend cuda also cudaMalloc,cudaMallocAsync)\n"
+               "  --json FILE    write the results as a JSON list\n"
+               "  --check-every  run vmmalloc's check() every N events (time excluded)\n"
+               "  --warm         replay once untimed before the timed pass (every allocator)\n"
+               "  --device N     CUDA device (default 0)\n",
+               have_cuda_peers() ? ", cudaMalloc, cudaMallocAsync" : "",
+               have_torch_peer() ? ", torch" : "");
+  std::exit(2);
+}
+
+std::uint64_t parse_count(const char* s, const char* opt) {
+  char* end = nullptr;
+  errno = 0;
+  unsigned long long v = std::strtoull(s, &end, 10);
+  if (errno || !end || *end || end == s) usage((std::string("bad value for ") + opt + ": " + s).c_str());
+  return v;
+}
+
+cli parse_cli(int argc, char** argv) {
+  cli c;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&](const char* opt) -> const char* {
+      if (i + 1 >= argc) usage((std::string(opt) + " needs a value").c_str());
+      return argv[++i];
+    };
+    if (a == "-h" || a == "--help") usage("");
+    else if (a == "--backend") c.backend = value("--backend");
+    else if (a == "--allocators") c.allocators = value("--allocators");
+    else if (a == "--json") c.json = value("--json");
+    else if (a == "--check-every") c.check_every = parse_count(value("--check-every"), "--check-every");
+    else if (a == "--device") c.device = static_cast<int>(parse_count(value("--device"), "--device"));
+    else if (a == "--warm") c.warm = true;
+    else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
+    else if (c.trace_path.empty()) c.trace_path = a;
+    else usage(("unexpected argument " + a).c_str());
+  }
+  if (c.trace_path.empty()) usage("no trace given");
+  if (c.backend != "host" && c.backend != "cuda") usage("--backend is host or cuda");
+  if (c.allocators.empty())
+    c.allocators = c.backend == "cuda" ? "vmmalloc,cudaMalloc,cudaMallocAsync,null" : "vmmalloc,null";
+  return c;
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> v;
+  std::stringstream ss(s);
+  std::string x;
+  while (std::getline(ss, x, ','))
+    if (!x.empty()) v.push_back(x);
+  return v;
+}
+
+std::string mib(double b) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1 << 20));
+  return buf;
+}
+std::string mib(std::optional<std::uint64_t> b) { return b ? mib(double(*b)) : "n/a"; }
+
+std::string event_text(const trace& t, std::size_t i) {
+  const event& e = t.events[i];
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "line %" PRIu32 ": %c %" PRIx64 " %" PRIu64 " %" PRIu64, t.lines[i],
+                e.kind == op::alloc ? 'a' : 'f', t.names[i], e.size, t.stream_ids[e.stream]);
+  return buf;
+}
+
+// ---- one pass ---------------------------------------------------------------------------------
+
+struct pass_opts {
+  std::uint64_t check_every = 0;
+  bool progress = false;
+  bool sample = false;
+  std::uint64_t sample_every = 16384;  // ~80 samples for 1.3 M events; each is a few us, untimed
+  const char* label = "";
+};
+
+struct pass_result {
+  int exit_code = 0;  // 0 ok, 3 alloc/free failure, 4 check failure
+  std::string failure;
+  double seconds = 0, paused = 0;
+  std::uint64_t checks = 0;
+};
+
+pass_result run_pass(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
+                     const pass_opts& o) {
+  constexpr std::uint64_t progress_every = 1 << 17;
+  const std::size_t n = t.events.size();
+  const event* ev = t.events.data();
+  void** slot = ptr.data();
+  void* const* str = streams.data();
+  const std::size_t peak_stop = t.peak_live_event + 1;
+  pass_result r;
+
+  auto next_multiple = [](std::size_t i, std::uint64_t k) { return (i / k + 1) * k; };
+  auto next_stop = [&](std::size_t i) {
+    std::size_t s = n;
+    if (o.check_every) s = std::min<std::size_t>(s, next_multiple(i, o.check_every));
+    if (o.sample) s = std::min<std::size_t>(s, next_multiple(i, o.sample_every));
+    if (o.sample && peak_stop > i) s = std::min(s, peak_stop);
+    if (o.progress) s = std::min<std::size_t>(s, next_multiple(i, progress_every));
+    return s;
+  };
+
+  auto t0 = clk::now();
+  std::size_t i = 0;
+  while (i < n) {
+    const std::size_t stop = next_stop(i);
+    // The timed loop: vector indexing and one virtual call per event.
+    for (; i < stop; ++i) {
+      const event& e = ev[i];
+      if (e.kind == op::alloc) {
+        void* p = a.allocate(e.size, str[e.stream]);
+        if (!p) [[unlikely]] {
+          r.exit_code = 3;
+          r.failure = "allocation failed at event " + std::to_string(i) + " (" + event_text(t, i) +
+                      "; live before it: " + mib(double(i ? t.live_after[i - 1] : 0)) + "): " + peer::error();
+          break;
+        }
+        slot[e.id] = p;
+      } else if (!a.deallocate(slot[e.id], e.size, str[e.stream])) [[unlikely]] {
+        r.exit_code = 3;
+        r.failure = "free failed at event " + std::to_string(i) + " (" + event_text(t, i) + "): " + peer::error();
+        break;
+      }
+    }
+    if (r.exit_code) break;
+    // A stop: sample / check / progress, all outside the measured time.
+    auto p0 = clk::now();
+    if (o.sample && (i % o.sample_every == 0 || i == peak_stop || i == n)) a.sample();
+    if (o.check_every && i % o.check_every == 0) {
+      ++r.checks;
+      std::string c = a.check();
+      if (!c.empty()) {
+        r.exit_code = 4;
+        r.failure = "check() failed after event " + std::to_string(i - 1) + " (" + event_text(t, i - 1) + "): " + c;
+        break;
+      }
+      if (auto live = a.live_requested(); live && *live != t.live_after[i - 1]) {
+        r.exit_code = 4;
+        r.failure = "stats().requested = " + std::to_string(*live) + " after event " + std::to_string(i - 1) +
+                    " (" + event_text(t, i - 1) + "), but the trace has " + std::to_string(t.live_after[i - 1]) +
+                    " bytes live";
+        break;
+      }
+    }
+    if (o.progress && (i % progress_every == 0 || i == n))
+      std::fprintf(stderr, "\r  %s: %zu / %zu events (%.0f%%)\033[K", o.label, i, n, 100.0 * double(i) / double(n));
+    r.paused += std::chrono::duration<double>(clk::now() - p0).count();
+  }
+  if (!r.exit_code && !a.synchronize()) {
+    r.exit_code = 3;
+    r.failure = "synchronize after the replay failed: " + peer::error();
+  }
+  r.seconds = std::chrono::duration<double>(clk::now() - t0).count() - r.paused;
+  if (o.progress) std::fprintf(stderr, "\r\033[K");
+  return r;
+}
+
+// Frees what the trace left live (untimed).
+bool free_remaining(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
+                    std::string& why) {
+  for (const auto& b : t.live_at_end) {
+    if (!a.deallocate(ptr[b.id], b.size, streams[b.stream])) {
+      why = "freeing a block the trace left live (" + std::to_string(b.size) + " bytes) failed: " + peer::error();
+      return false;
+    }
+  }
+  if (!a.synchronize()) {
+    why = "synchronize failed: " + peer::error();
+    return false;
+  }
+  return true;
+}
+
+// ---- results ----------------------------------------------------------------------------------
+
+struct row {
+  std::string name, detail, backend;
+  double ns_per_op = 0, seconds = 0;
+  std::uint64_t events = 0, checks = 0;
+  memory_report mem;
+};
+
+std::string json_str(const std::string& s) {
+  std::string o = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') o += '\\', o += char(c);
+    else if (c < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", c);
+      o += b;
+    } else o += char(c);
+  }
+  return o + "\"";
+}
+std::string json_num(double v) {
+  char b[64];
+  if (v == double(std::uint64_t(v)) && v < 1e19) std::snprintf(b, sizeof b, "%" PRIu64, std::uint64_t(v));
+  else std::snprintf(b, sizeof b, "%.6g", v);
+  return b;
+}
+std::string json_opt(std::optional<std::uint64_t> v) { return v ? json_num(double(*v)) : "null"; }
+
+bool write_json(const std::string& path, const std::vector<row>& rows, const trace& t, const cli& c) {
+  std::ofstream f(path);
+  if (!f) return false;
+  f << "[\n";
+  for (std::size_t k = 0; k < rows.size(); ++k) {
+    const row& r = rows[k];
+    f << "  {\"name\": " << json_str(r.name) << ", \"ns_per_op\": " << json_num(r.ns_per_op)
+      << ", \"peak_live_bytes\": " << json_num(double(t.peak_live_bytes))
+      << ", \"peak_mapped_bytes\": " << json_opt(r.mem.peak_mapped)
+      << ", \"peak_reserved_bytes\": " << json_opt(r.mem.peak_reserved)
+      << ", \"driver_calls\": " << json_opt(r.mem.driver_calls);
+    f << ", \"mapped_over_live\": "
+      << (r.mem.peak_mapped && t.peak_live_bytes ? json_num(double(*r.mem.peak_mapped) / double(t.peak_live_bytes))
+                                                 : "null");
+    f << ", \"peak_mapped_source\": " << json_str(r.mem.mapped_source) << ", \"backend\": " << json_str(r.backend)
+      << ", \"detail\": " << json_str(r.detail) << ", \"events\": " << r.events
+      << ", \"seconds\": " << json_num(r.seconds) << ", \"warm\": " << (c.warm ? "true" : "false")
+      << ", \"checks\": " << r.checks << ", \"trace\": " << json_str(t.source);
+    for (auto& [key, v] : r.mem.extra) f << ", " << json_str(key) << ": " << json_num(v);
+    f << "}" << (k + 1 < rows.size() ? "," : "") << "\n";
+  }
+  f << "]\n";
+  return bool(f);
+}
+
+void print_table(const std::vector<row>& rows, const trace& t) {
+  const row* null_row = nullptr;
+  for (auto& r : rows)
+    if (r.name == "null") null_row = &r;
+  std::printf("\n| allocator | ns/event | net of null | peak live | peak mapped | mapped/live | peak reserved (VA) | driver calls |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (auto& r : rows) {
+    char net[32] = "-", ratio[32] = "n/a", calls[32] = "n/a";
+    if (null_row && &r != null_row) std::snprintf(net, sizeof net, "%.1f", r.ns_per_op - null_row->ns_per_op);
+    if (r.mem.peak_mapped && t.peak_live_bytes)
+      std::snprintf(ratio, sizeof ratio, "%.3f", double(*r.mem.peak_mapped) / double(t.peak_live_bytes));
+    if (r.mem.driver_calls) std::snprintf(calls, sizeof calls, "%" PRIu64, *r.mem.driver_calls);
+    std::string name = r.name + (r.name == "vmmalloc" ? " (" + r.backend + ")" : std::string());
+    std::printf("| %s | %.1f | %s | %s | %s | %s | %s | %s |\n", name.c_str(), r.ns_per_op, net,
+                mib(double(t.peak_live_bytes)).c_str(), mib(r.mem.peak_mapped).c_str(), ratio,
+                mib(r.mem.peak_reserved).c_str(), calls);
+  }
+  std::printf("\n");
+  for (auto& r : rows) {
+    if (r.mem.peak_mapped && t.peak_live_bytes)
+      std::printf("%s: peak mapped / peak live = %.3f  [peak mapped: %s]\n", r.name.c_str(),
+                  double(*r.mem.peak_mapped) / double(t.peak_live_bytes), r.mem.mapped_source.c_str());
+    else if (r.name != "null")
+      std::printf("%s: peak mapped not observable here\n", r.name.c_str());
+  }
+}
+
+// ---- factories by name ------------------------------------------------------------------------
+
+std::unique_ptr<peer> make_by_name(const std::string& name, const cli& c) {
+  if (name == "vmmalloc") return c.backend == "cuda" ? make_vmmalloc_cuda(c.device) : make_vmmalloc_host();
+  if (name == "null") return make_null();
+  if (name == "malloc") return make_malloc();
+  if (name == "cudaMalloc" || name == "cudaMallocAsync" || name == "torch") {
+    std::string why;
+    if (!cuda_device_present(&why, c.device)) throw std::runtime_error("no usable CUDA device: " + why);
+    if (name == "cudaMalloc") return make_cuda_malloc(c.device);
+    if (name == "cudaMallocAsync") return make_cuda_malloc_async(c.device);
+    return make_torch(c.device);
+  }
+  usage(("unknown allocator '" + name + "'").c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  cli c = parse_cli(argc, argv);
+  auto names = split_list(c.allocators);
+  if (names.empty()) usage("--allocators is empty");
+  for (auto& n : names)
+    if (n != "vmmalloc" && n != "null" && n != "malloc" && n != "cudaMalloc" && n != "cudaMallocAsync" &&
+        n != "torch")
+      usage(("unknown allocator '" + n + "'").c_str());
+
+  // The host backend holds one memfd per chunk: allow as many descriptors as the hard limit does.
+  if (rlimit rl{}; getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+
+  trace t;
+  auto p0 = clk::now();
+  try {
+    t = parse_file(c.trace_path);
+  } catch (const parse_error& e) {
+    std::fprintf(stderr, "vmm-replay: %s\n", e.what());
+    return 2;
+  }
+  double parse_s = std::chrono::duration<double>(clk::now() - p0).count();
+  if (t.events.empty()) {
+    std::fprintf(stderr, "vmm-replay: %s: no events\n", c.trace_path.c_str());
+    return 2;
+  }
+
+  std::printf("trace: %s\n", t.source.c_str());
+  std::printf("  %zu events (%" PRIu64 " allocations, %" PRIu64 " frees), %zu blocks live at the end, "
+              "at most %" PRIu32 " live at once, %zu stream(s)\n",
+              t.events.size(), t.allocs, t.frees, t.live_at_end.size(), t.slots, t.stream_ids.size());
+  std::printf("  peak live %s after event %zu (line %" PRIu32 "); sizes %" PRIu64 " B .. %s; parsed in %.2f s\n",
+              mib(double(t.peak_live_bytes)).c_str(), t.peak_live_event, t.lines[t.peak_live_event], t.min_size,
+              mib(double(t.max_size)).c_str(), parse_s);
+  std::printf("  vmmalloc backend: %s; %s; %s\n", c.backend.c_str(),
+              c.warm ? "warm (one untimed pass first)" : "cold (no warm-up pass)",
+              c.check_every ? ("check() every " + std::to_string(c.check_every) + " events").c_str() : "no checks");
+  std::fflush(stdout);
+
+  // Stream index -> handle. Stream id 0 is the default stream (nullptr) everywhere; others are
+  // distinct tags on the host and real CUDA streams (created once) for device peers.
+  std::vector<void*> host_streams(t.stream_ids.size(), nullptr), cuda_streams;
+  for (std::size_t k = 0; k < t.stream_ids.size(); ++k)
+    if (t.stream_ids[k] != 0) host_streams[k] = reinterpret_cast<void*>(std::uintptr_t{0x1000} + k);
+
+  const bool tty = isatty(STDERR_FILENO);
+  std::vector<row> rows;
+  std::vector<void*> ptr(t.slots, nullptr);
+  int rc = 0;
+  for (const auto& name : names) {
+    std::unique_ptr<peer> a;
+    try {
+      a = make_by_name(name, c);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "vmm-replay: %s: cannot create: %s\n", name.c_str(), e.what());
+      rc = 1;
+      break;
+    }
+    const std::vector<void*>* streams = &host_streams;
+    if (a->is_device() && std::any_of(t.stream_ids.begin(), t.stream_ids.end(), [](auto s) { return s != 0; })) {
+      try {
+        if (cuda_streams.empty()) {
+          auto made = make_cuda_streams(t.stream_ids.size());
+          for (std::size_t k = 0; k < made.size(); ++k)
+            if (t.stream_ids[k] == 0) std::swap(made[k], made[0]);
+          cuda_streams = made;
+        }
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "vmm-replay: %s: %s\n", name.c_str(), e.what());
+        rc = 1;
+        break;
+      }
+      streams = &cuda_streams;
+    }
+
+    pass_opts o;
+    o.check_every = a->has_check() ? c.check_every : 0;  // vmmalloc's invariants
+    o.progress = tty && t.events.size() >= 100000;
+    o.sample = a->wants_samples();
+    o.label = name.c_str();
+    std::string why;
+    if (c.warm) {
+      pass_opts w = o;
+      w.label = "warm-up";
+      pass_result wr = run_pass(*a, t, *streams, ptr, w);
+      if (wr.exit_code) {
+        std::fprintf(stderr, "vmm-replay: %s (warm-up pass): %s\n", name.c_str(), wr.failure.c_str());
+        rc = wr.exit_code;
+        break;
+      }
+      if (!free_remaining(*a, t, *streams, ptr, why)) {
+        std::fprintf(stderr, "vmm-replay: %s (warm-up pass): %s\n", name.c_str(), why.c_str());
+        rc = 3;
+        break;
+      }
+    }
+    a->reset_peaks();
+    pass_result r = run_pass(*a, t, *streams, ptr, o);
+    if (r.exit_code) {
+      std::fprintf(stderr, "vmm-replay: %s: %s\n", name.c_str(), r.failure.c_str());
+      rc = r.exit_code;
+      break;
+    }
+    row w;
+    w.name = name;
+    w.detail = a->detail();
+    w.backend = name == "vmmalloc" ? c.backend : (a->is_device() ? "cuda" : "host");
+    w.events = t.events.size();
+    w.seconds = r.seconds;
+    w.ns_per_op = r.seconds * 1e9 / double(t.events.size());
+    w.checks = r.checks;
+    w.mem = a->report();  // peaks of the timed pass, before the untimed end-of-trace frees
+    if (!free_remaining(*a, t, *streams, ptr, why)) {
+      std::fprintf(stderr, "vmm-replay: %s: %s\n", name.c_str(), why.c_str());
+      rc = 3;
+      break;
+    }
+    if (std::string chk = a->check(); !chk.empty()) {
+      std::fprintf(stderr, "vmm-replay: %s: check() after freeing everything: %s\n", name.c_str(), chk.c_str());
+      rc = 4;
+      break;
+    }
+    if (auto live = a->live_requested(); live && *live != 0) {
+      std::fprintf(stderr, "vmm-replay: %s: stats().requested = %" PRIu64 " after freeing everything (want 0)\n",
+                   name.c_str(), *live);
+      rc = 4;
+      break;
+    }
+    std::fprintf(stderr, "vmm-replay: %s (%s): %.1f ns/event, %.2f s%s\n", name.c_str(), w.detail.c_str(),
+                 w.ns_per_op, w.seconds,
+                 r.checks ? (", " + std::to_string(r.checks) + " checks passed").c_str() : "");
+    rows.push_back(std::move(w));
+    a->release_cached();  // the next allocator starts with the memory given back
+  }
+  destroy_cuda_streams(cuda_streams);
+
+  if (!rows.empty()) print_table(rows, t);
+  if (!c.json.empty() && !rows.empty()) {
+    if (!write_json(c.json, rows, t, c)) {
+      std::fprintf(stderr, "vmm-replay: cannot write %s\n", c.json.c_str());
+      if (!rc) rc = 1;
+    }
+  }
+  return rc;
+}

@@ -240,7 +240,7 @@ TEST_CASE("streams: record_stream holds a block until the extra stream's fence c
   auto a = host_traits::make(conf::small_options());
   auto* hb = a.backend_as<vmm::host_backend>();
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
-  for (std::size_t n : {std::size_t{4096}, 3 * MiB}) {
+  for (std::size_t n : {std::size_t{4096}, 3 * MiB, 300 * MiB}) {  // small, large, huge
     CAPTURE(n);
     hb->hold_stream(s2);
     void* p = a.allocate(n, 0, s1);

@@ -354,9 +354,14 @@ allocator_stats allocator::stats() const {
     fl += c->flushed.get();
   }
   allocator_stats s;
-  s.requested = h.requested + req;
+  // While other threads run, their caches' counters are read at slightly different moments: a
+  // block allocated through one cache and freed through another can make the sum dip below zero
+  // for an instant. Clamp to what is possible (0 <= requested <= allocated).
+  std::uint64_t total = h.requested + req;
+  s.requested = static_cast<std::int64_t>(total) < 0 ? 0 : total;
   s.allocated = h.allocated - cached_b;
   s.live = h.live - cached_n;
+  s.requested = std::min<std::size_t>(s.requested, s.allocated);
   s.allocs = h.allocs - rf + fa;
   s.frees = h.frees - fl + ff;
   // Peaks are exact without thread caches; with them they are sampled at refills and flushes.

@@ -1083,6 +1083,9 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
           continue;
         }
         if (!add_used(b->addr, b->size)) return "huge block over unmapped memory";
+        bool deferred = false;
+        for (auto& d : m.deferred_frees) deferred |= d.p == b->addr;
+        if (deferred) continue;  // freed, waiting for a fence: no longer counted as live
         allocated += b->size;
         requested += b->requested;
         ++live;

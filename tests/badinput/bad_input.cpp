@@ -478,12 +478,10 @@ TEST_CASE("C API: bad policies are rejected at vmm_create") {
   CHECK(vmm_create(&pol, nullptr) == VMM_ERROR_INVALID_VALUE);
 }
 
-// A C caller can put any int in an enum field. c_api.cpp reads those fields as the C++ enum types,
-// whose value range is only what their enumerators need (0..1 for vmm_backend_kind): loading 7 is
-// undefined behaviour in C++ (UBSan: "load of value 7, which is not a valid value for type
-// 'vmm_backend_kind'"). Kept in its own case (CTest badinput.c_enum): under -fsanitize=undefined
-// it aborts until the C API reads these fields as ints (or the enums get a sentinel such as
-// VMM_BACKEND_FORCE_INT = 0x7fffffff, which widens their range).
+// A C caller can put any int in an enum field. c_api.cpp used to read those fields as the C++ enum
+// types, whose value range is only what their enumerators need (0..1 for vmm_backend_kind):
+// loading 7 was undefined behaviour in C++ (UBSan: "load of value 7, which is not a valid value
+// for type 'vmm_backend_kind'"). Regression test: run under -fsanitize=undefined (build-asan).
 TEST_CASE("C API: out-of-range enum values in vmm_policy are rejected (C enum ABI)") {
   vmm_policy pol;
   vmm_policy_init(&pol);

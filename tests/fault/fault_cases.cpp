@@ -1,5 +1,6 @@
-// Targeted fault-injection cases: minimal reproducers for what the sweep found, stream-fence
-// faults the sweep cannot observe (its streams are never held), and the C API.
+// Targeted fault-injection cases: regression tests for what the sweep found (the minimal
+// reproducers, kept; fixed in c4a0b53), stream-fence faults the sweep cannot observe (its streams
+// are never held), and the C API.
 //
 // C API coverage: vmm_create builds its host allocator itself (vmm_policy has no way to pass a
 // backend), so the fault decorator cannot be put under a C allocator. The C cases below use the
@@ -30,12 +31,12 @@ options small_opts() {
 stream_t S(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
 }  // namespace
 
-// BUG reproducer (arena::unmap_chunk): when the chunk's handle is to be released (keep_handle ==
-// false: trim, release threshold) and release() fails, the result is ignored and the handle is
-// dropped from every table: it is never retried, trim() reports success, and the handle outlives
-// the allocator. Expected: the failure is not lost, e.g. the handle is parked in the idle cache
-// (so trim()/~arena retry it) and trim() reports the error.
-TEST_CASE("fault: a refused release() during trim is not lost [known bug: arena::unmap_chunk]") {
+// Regression (found by the sweep, arena::unmap_chunk): when a chunk's handle was to be released
+// (keep_handle == false: trim, release threshold) and release() failed, the result was ignored and
+// the handle dropped from every table: never retried, trim() reported success, and the handle
+// outlived the allocator. Now the handle is parked as idle (retried by trim / ~arena) and trim()
+// reports the refusal.
+TEST_CASE("fault: a refused release() during trim is not lost [regression: arena::unmap_chunk]") {
   auto st = std::make_shared<fault_state>();
   {
     allocator a(make_fault_host(st), small_opts());
@@ -50,22 +51,22 @@ TEST_CASE("fault: a refused release() during trim is not lost [known bug: arena:
     }
     CHECK(st->injected() == 1);
     CHECK(a.check() == "");
-    CHECK(reported);               // fails today: trim() says nothing
+    CHECK(reported);               // was: trim() said nothing
     a.trim(0);                     // a retry with the fault spent
     CHECK(a.stats().physical == 0);
   }
-  CHECK(st->live_handles() == 0);  // fails today: 1 handle leaked
+  CHECK(st->live_handles() == 0);  // was: 1 handle leaked
   CHECK(st->live_mappings() == 0);
   CHECK(st->live_reservations() == 0);
 }
 
-// BUG reproducer (heap::deallocate, small path and record_stream path): a cross-stream free
-// records a fence on the freeing stream so the slab's stream does not reuse the slot before the
-// freeing stream is done. When record_fence() fails the error is dropped
-// (`if (auto f = record_fence(s); f.ok() && f.value)`) and the slot is released at once: the
-// slab's stream gets memory the other stream may still be writing. Expected: deallocate reports
-// the failure with the pointer still allocated (or waits), never an unfenced reuse.
-TEST_CASE("fault: record_fence failure on a cross-stream small free must not hand the slot out early [known bug]") {
+// Regression (heap::deallocate, small path and record_stream path): a cross-stream free records a
+// fence on the freeing stream so the slab's stream does not reuse the slot before the freeing
+// stream is done. When record_fence() failed the error was dropped
+// (`if (auto f = record_fence(s); f.ok() && f.value)`) and the slot released at once: the slab's
+// stream got memory the other stream may still be writing. Now the free is refused (error
+// returned, pointer still allocated).
+TEST_CASE("fault: record_fence failure on a cross-stream small free must not hand the slot out early [regression]") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), small_opts());
   host_backend* hb = as_fault(a.backend())->host();
@@ -95,7 +96,7 @@ TEST_CASE("fault: record_fence failure on a cross-stream small free must not han
     status d = a.try_deallocate(p, S(2));
     CHECK(st->injected() == 1);
     if (d.ok()) {
-      CHECK_FALSE(reused(p));  // fails today: the slot comes back to stream 1 at once
+      CHECK_FALSE(reused(p));  // was: the slot came back to stream 1 at once
     } else {                   // refusing the free, with p still allocated, is fine too
       CHECK(a.usable_size(p) > 0);
       a.deallocate(p, S(2));
@@ -105,12 +106,12 @@ TEST_CASE("fault: record_fence failure on a cross-stream small free must not han
   hb->complete_stream(S(2));
 }
 
-// BUG reproducer (heap::wait_covered): before unmapping a chunk the heap waits for the fence of
-// the stream that freed its blocks. When record_fence() fails, fence_covers() returns false and
-// wait_covered() then waits on the stream's previous fence (0 = "no fence" when none was ever
-// recorded), which is "done", so the chunk is unmapped while the stream may still use it.
-// Expected: trim() fails (or skips the chunk) exactly as it does without the fault.
-TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending stream may use [known bug]") {
+// Regression (heap::wait_covered): before unmapping a chunk the heap waits for the fence of the
+// stream that freed its blocks. When record_fence() failed, fence_covers() returned false and
+// wait_covered() then waited on the stream's previous fence (0 = "no fence" when none was ever
+// recorded), which is "done", so the chunk was unmapped while the stream might still use it. Now
+// trim() fails (the chunk stays) exactly as it does without the fault.
+TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending stream may use [regression]") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), small_opts());
   host_backend* hb = as_fault(a.backend())->host();
@@ -135,7 +136,7 @@ TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending 
     }
     CHECK(st->injected() == 1);
     CHECK(a.check() == "");
-    CHECK(a.stats().mapped == mapped);  // fails today: the chunk was unmapped under stream 2
+    CHECK(a.stats().mapped == mapped);  // was: the chunk was unmapped under stream 2
     (void)threw;
   }
   hb->complete_stream(S(2));

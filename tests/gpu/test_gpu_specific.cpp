@@ -338,7 +338,11 @@ TEST_CASE("gpu stress: threads allocate, fill, verify and free on random streams
   while (max_bits < 62 && (std::size_t{2} << max_bits) <= max_bytes) ++max_bits;
 
   {
-    vmm::allocator a(test_options());
+    // 16 threads x 8 live blocks of up to 64 MiB, plus frees held back by fences: more than the
+    // 16 GiB the other tests reserve.
+    vmm::options so = test_options();
+    so.reservation_size = 128 * GiB;
+    vmm::allocator a(so);
     auto worker = [&](int tid) {
       struct live_block {
         void* p;

@@ -87,7 +87,7 @@ arena::~arena() {
     twice([&] { return b_->unmap(c.va, c.size); });
     twice([&] { return b_->release(c.handle); });
   }
-  for (auto& [sz, h] : idle_) twice([&] { return b_->release(h); });
+  for (auto& e : idle_) twice([&] { return b_->release(e.second); });
   if (size_) twice([&] { return b_->free_reservation(base_, size_); });
 }
 

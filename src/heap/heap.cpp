@@ -854,8 +854,11 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
       if (!f.ok()) return drop(), f.st;
       if (f.value) fences.push_back(f.value);
     }
+    // Claim the slot: a thread-cache free of the same pointer racing this one (a caller's bug)
+    // sees the state change and reports a double free instead of both succeeding.
+    if (!sl->state[i].compare_exchange_strong(state, 0, std::memory_order_acq_rel))
+      return drop(), fail(errc::invalid_pointer, "double free (freed concurrently by another thread)");
     if (extra != m.extra_streams.end()) m.extra_streams.erase(extra);
-    sl->state[i].store(0, std::memory_order_relaxed);
     m.note_free(sl->req[i], sl->slot);
     sl->req[i] = 0;
     if (!fences.empty()) {

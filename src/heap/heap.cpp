@@ -80,6 +80,9 @@ struct heap::impl {
     fence_t fence = 0;
     std::uint64_t fence_seq = 0;  // the fence covers every free with free_seq < fence_seq
     bool done = true;
+    // Frees with free_seq < completed_seq are known safe: a completed fence covered them. Kept
+    // apart from the latest fence, so recording a newer one never makes them look busy again.
+    std::uint64_t completed_seq = 0;
   };
 
   struct deferred {  // a free waiting for fences of extra streams (record_stream, cross-stream)
@@ -216,6 +219,7 @@ struct heap::impl {
   // fence lazily (first time another stream asks) and only queries it: never waits.
   bool fence_covers(stream_t s, std::uint64_t seq_at_free) {
     stream_state& ss = streams[s];
+    if (seq_at_free < ss.completed_seq) return true;
     if (ss.fence_seq <= seq_at_free) {
       auto r = a.backend().record_fence(s);
       if (!r.ok()) return false;
@@ -225,10 +229,12 @@ struct heap::impl {
       ss.done = false;
     }
     if (!ss.done) ss.done = a.backend().fence_done(ss.fence);
+    if (ss.done) ss.completed_seq = std::max(ss.completed_seq, ss.fence_seq);
     return ss.done;
   }
   status wait_covered(stream_t s, std::uint64_t seq_at_free) {
     stream_state& ss = streams[s];
+    if (seq_at_free < ss.completed_seq) return {};
     if (ss.fence_seq <= seq_at_free) {  // record a fence after that free; failing that, refuse
       auto r = a.backend().record_fence(s);
       if (!r.ok()) return r.st;
@@ -239,10 +245,14 @@ struct heap::impl {
     }
     if (ss.done || a.backend().fence_done(ss.fence)) {
       ss.done = true;
+      ss.completed_seq = std::max(ss.completed_seq, ss.fence_seq);
       return {};
     }
     status w = a.backend().wait_fence(ss.fence);  // only this stream, never the device
-    if (w.ok()) ss.done = true;
+    if (w.ok()) {
+      ss.done = true;
+      ss.completed_seq = std::max(ss.completed_seq, ss.fence_seq);
+    }
     return w;
   }
   bool usable(block* b, stream_t x) {

@@ -475,3 +475,51 @@ TEST_CASE("threads: a block allocated on one thread and freed on another") {
   a.trim(0);
   CHECK(a.stats().mapped == 0);
 }
+
+// ---- typed allocation, destroyed allocators ----
+
+TEST_CASE("bad input: count * size overflow in typed allocation is out_of_memory, not a short block") {
+  auto a = host_traits::make(conf::small_options());
+  auto before = a.stats();
+  CHECK_THROWS_AS(a.allocate_array<double>(SIZE_MAX / 4), vmm::out_of_memory);
+  CHECK_THROWS_AS(a.allocate_array<std::uint64_t>((SIZE_MAX >> 3) + 2), vmm::out_of_memory);
+  struct alignas(4096) page { char b[4096]; };
+  page* pg = a.allocate_array<page>(3);
+  CHECK(reinterpret_cast<std::uintptr_t>(pg) % 4096 == 0);
+  CHECK(a.usable_size(pg) >= 3 * 4096);
+  a.deallocate(pg);
+  CHECK(a.stats().live == before.live);
+  CHECK(a.check() == "");
+  vmm_policy pol;
+  vmm_policy_init(&pol);
+  pol.backend = VMM_BACKEND_HOST;
+  pol.reservation_size = 1ull << 30;
+  vmm_allocator* c = nullptr;
+  REQUIRE(vmm_create(&pol, &c) == VMM_SUCCESS);
+  CHECK(vmm_calloc_n(c, SIZE_MAX / 2, 3) == nullptr);
+  CHECK(vmm_last_status() == VMM_ERROR_OUT_OF_MEMORY);
+  void* q = vmm_calloc_n(c, 10, 100);
+  CHECK(q != nullptr);
+  CHECK(vmm_record_stream(c, q, reinterpret_cast<void*>(0x5)) == VMM_SUCCESS);
+  CHECK(vmm_free(c, q) == VMM_SUCCESS);
+  CHECK(vmm_record_stream(c, q, nullptr) == VMM_ERROR_INVALID_POINTER);
+  CHECK(vmm_check(c) == VMM_SUCCESS);
+  vmm_destroy(c);
+}
+
+TEST_CASE("bad input: a pointer from a destroyed allocator is refused by the next one") {
+  void* old = nullptr;
+  void* old_large = nullptr;
+  {
+    auto a = host_traits::make(conf::small_options());
+    old = a.allocate(100);
+    old_large = a.allocate(5 * MiB);
+  }  // destroyed with both blocks live: everything unmapped
+  auto b = host_traits::make(conf::small_options());  // may well reuse the same address range
+  auto before = b.stats();
+  CHECK(b.try_deallocate(old).kind == vmm::errc::invalid_pointer);
+  CHECK(b.try_deallocate(old_large).kind == vmm::errc::invalid_pointer);
+  CHECK(b.check() == "");
+  CHECK(b.stats().live == before.live);
+  b.deallocate(b.allocate(100));
+}

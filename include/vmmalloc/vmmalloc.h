@@ -71,6 +71,10 @@ void* vmm_aligned_alloc(vmm_allocator* a, size_t alignment, size_t size);
 void* vmm_malloc_async(vmm_allocator* a, size_t size, void* stream);
 vmm_status vmm_free(vmm_allocator* a, void* ptr); /* NULL is a no-op */
 vmm_status vmm_free_async(vmm_allocator* a, void* ptr, void* stream);
+/* ptr is also used on stream: its memory is reused only after stream's work up to the free. */
+vmm_status vmm_record_stream(vmm_allocator* a, void* ptr, void* stream);
+/* count * size bytes, NULL with VMM_ERROR_OUT_OF_MEMORY when the product overflows. */
+void* vmm_calloc_n(vmm_allocator* a, size_t count, size_t size);
 
 vmm_status vmm_trim(vmm_allocator* a, size_t keep);
 vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out);

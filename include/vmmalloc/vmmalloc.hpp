@@ -46,6 +46,9 @@ class out_of_memory : public std::bad_alloc {
   std::string what_;
 };
 
+// Throws the right exception for a failed status (out_of_memory for errc::out_of_memory).
+[[noreturn]] void throw_status(const status& s, const std::string& context);
+
 // The last error on this thread (try_* calls and the C API set it).
 struct last_error_info {
   status st;
@@ -83,6 +86,16 @@ class allocator {
   void* allocate(std::size_t bytes, std::size_t alignment = 0, stream_t s = nullptr);
   // nullptr on failure, with last_error() set. Never throws.
   void* try_allocate(std::size_t bytes, std::size_t alignment = 0, stream_t s = nullptr) noexcept;
+  // count objects of T (uninitialised device memory), aligned to max(alignof(T), 256).
+  // count * sizeof(T) overflowing size_t is out_of_memory, not a short allocation.
+  template <class T>
+  T* allocate_array(std::size_t count, stream_t s = nullptr) {
+    std::size_t bytes;
+    if (__builtin_mul_overflow(count, sizeof(T), &bytes))
+      throw_status({errc::out_of_memory, 0, "count * sizeof(T) overflows", "allocate_array"},
+                   "vmm::allocator::allocate_array");
+    return static_cast<T*>(allocate(bytes, alignof(T) > 256 ? alignof(T) : 0, s));
+  }
   // nullptr is a no-op. Throws vmm::error (errc::invalid_pointer) for foreign, interior or freed
   // pointers; the allocator's state is untouched.
   void deallocate(void* p, stream_t s = nullptr);
@@ -114,8 +127,6 @@ class allocator {
   std::unique_ptr<impl> p_;
 };
 
-// Throws the right exception for a failed status (out_of_memory for errc::out_of_memory).
-[[noreturn]] void throw_status(const status& s, const std::string& context);
 
 }  // namespace vmm
 

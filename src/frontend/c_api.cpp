@@ -112,6 +112,24 @@ vmm_status vmm_free_async(vmm_allocator* a, void* ptr, void* stream) {
 }
 vmm_status vmm_free(vmm_allocator* a, void* ptr) { return vmm_free_async(a, ptr, nullptr); }
 
+vmm_status vmm_record_stream(vmm_allocator* a, void* ptr, void* stream) {
+  if (!a) return invalid("vmm_record_stream: allocator is NULL");
+  try {
+    a->a.record_stream(ptr, stream);
+  } catch (const vmm::error& e) {
+    return set(to_c(e.st().kind), e.what());
+  }
+  return ok();
+}
+
+void* vmm_calloc_n(vmm_allocator* a, size_t count, size_t size) {
+  if (!a) return invalid("vmm_calloc_n: allocator is NULL"), nullptr;
+  size_t bytes;
+  if (__builtin_mul_overflow(count, size, &bytes))
+    return set(VMM_ERROR_OUT_OF_MEMORY, "vmm_calloc_n: count * size overflows"), nullptr;
+  return vmm_malloc(a, bytes);
+}
+
 vmm_status vmm_trim(vmm_allocator* a, size_t keep) {
   if (!a) return invalid("vmm_trim: allocator is NULL");
   try {

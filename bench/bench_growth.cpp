@@ -2,8 +2,15 @@
 //
 //   growth_copy/<peer>   allocate 2 x OLD, copy OLD bytes, free the old buffer: what cudaMalloc
 //                        users do today (ANCHORS: ~1,550 us on an H200 for 1 -> 2 GiB)
-//   growth_alloc/<peer>  allocate 2 x OLD alone: the lower bound of growing in place (vmmalloc has
-//                        no in-place growth API yet; a growable buffer would map only the extra OLD)
+//   growth_alloc/<peer>  allocate 2 x OLD alone: what a fresh allocation of the new size costs
+//   growth_inplace/<buf> vmm::growable_buffer resize(OLD -> 2 x OLD): maps only the extra OLD as one
+//                        chunk (one create + map + set_access), pointer unchanged, nothing copied.
+//                        Only resize() is timed; the shrink back to OLD (unmap + release) is not.
+//   growth_steps/<buf>/64MiB_to_8GiB  the same buffer grown 64 MiB -> 8 GiB in 64 MiB steps; one
+//                        iteration = one step (the time shown is per step). Back to 64 MiB untimed.
+//                        The host variant keeps 8 GiB: memfd pages are never touched, so it maps
+//                        address space only (no RSS).
+//   <buf>: vmmalloc_host always; vmmalloc_cuda only when the CUDA backend opens a device here.
 //
 // Both start with nothing cached (peer.release_cached(): trim(0), pool trim, malloc_trim; untimed),
 // so every iteration maps new memory, as a real growth would. The source is filled (untimed) so the
@@ -11,6 +18,11 @@
 //
 //   bench_growth [--old_mib=1024] [Google Benchmark flags]
 #include "bench_common.hpp"
+
+#include <algorithm>
+#include <optional>
+
+#include "vmmalloc/growable_buffer.hpp"
 
 namespace {
 
@@ -63,6 +75,104 @@ void bm_growth(benchmark::State& st, factory make, bool copy) {
   st.counters["old_MiB"] = double(old_n >> 20);
 }
 
+// ---- in-place growth: vmm::growable_buffer ----
+
+using buffer_factory = vmm::growable_buffer (*)(std::size_t capacity_limit);
+
+vmm::growable_buffer make_buffer_host(std::size_t limit) {
+  vmm::host_backend_options h;
+  h.physical_limit = std::max(h.physical_limit, limit);
+  return vmm::growable_buffer::host(limit, h);
+}
+vmm::growable_buffer make_buffer_cuda(std::size_t limit) { return vmm::growable_buffer::cuda(limit, 0); }
+
+struct buffer_kind {
+  const char* name;
+  buffer_factory make;
+};
+
+// Host always; CUDA only when the backend opens a device (probed here, like available_peers()).
+std::vector<buffer_kind> available_buffers() {
+  std::vector<buffer_kind> k = {{"vmmalloc_host", make_buffer_host}};
+  try {
+    make_buffer_cuda(std::size_t{2} << 20);  // probe: driver + device + VMM support
+    k.push_back({"vmmalloc_cuda", make_buffer_cuda});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench: growth_inplace/vmmalloc_cuda left out: %s\n", e.what());
+  }
+  return k;
+}
+
+// OLD -> 2 x OLD in place; only resize() is timed. The shrink back releases the grown chunk, so
+// every iteration maps new physical memory, as a real growth would.
+void bm_inplace(benchmark::State& st, buffer_factory make) {
+  const std::size_t old_n = g_old, new_n = 2 * g_old;
+  std::optional<vmm::growable_buffer> b;
+  try {
+    b.emplace(make(new_n));
+    b->resize(old_n);
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  void* const p = b->data();
+  const auto creates0 = b->counts().create;
+  try {
+    for (auto _ : st) {
+      b->resize(new_n);
+      st.PauseTiming();
+      if (b->data() != p) {
+        st.SkipWithError("growable_buffer: data() moved");
+        break;
+      }
+      b->resize(old_n);
+      st.ResumeTiming();
+    }
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  st.counters["old_MiB"] = double(old_n >> 20);
+  if (st.iterations())
+    st.counters["creates_per_grow"] = double(b->counts().create - creates0) / double(st.iterations());
+}
+
+// 64 MiB -> 8 GiB in 64 MiB steps: one iteration = one step (one chunk, one driver round).
+constexpr std::size_t step_bytes = std::size_t{64} << 20, steps_top = std::size_t{8} << 30;
+
+void bm_steps(benchmark::State& st, buffer_factory make) {
+  std::optional<vmm::growable_buffer> b;
+  try {
+    b.emplace(make(steps_top));
+    b->resize(step_bytes);
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  void* const p = b->data();
+  const auto maps0 = b->counts().map;
+  std::uint64_t rounds = 0;
+  try {
+    for (auto _ : st) {
+      std::size_t n = b->size() + step_bytes;
+      if (n > steps_top) {  // back to the first step, untimed (127 unmap + release)
+        st.PauseTiming();
+        b->resize(step_bytes);
+        st.ResumeTiming();
+        n = 2 * step_bytes;
+      }
+      b->resize(n);
+      ++rounds;
+    }
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  if (b->data() != p) st.SkipWithError("growable_buffer: data() moved");
+  st.counters["step_MiB"] = double(step_bytes >> 20);
+  if (rounds) st.counters["maps_per_step"] = double(b->counts().map - maps0) / double(rounds);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -78,6 +188,13 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)->UseRealTime();
     benchmark::RegisterBenchmark((std::string("growth_alloc/") + k.name).c_str(), bm_growth, k.make, false)
         ->Unit(benchmark::kMillisecond)->UseRealTime();
+  }
+  for (const auto& k : available_buffers()) {
+    benchmark::RegisterBenchmark((std::string("growth_inplace/") + k.name).c_str(), bm_inplace, k.make)
+        ->Unit(benchmark::kMicrosecond)->UseRealTime();
+    benchmark::RegisterBenchmark((std::string("growth_steps/") + k.name + "/64MiB_to_8GiB").c_str(), bm_steps,
+                                 k.make)
+        ->Unit(benchmark::kMicrosecond)->UseRealTime();
   }
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

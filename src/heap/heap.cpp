@@ -6,6 +6,7 @@
 #include <atomic>
 #include <bit>
 #include <cassert>
+#include <new>
 #include <unordered_set>
 
 namespace vmm {
@@ -58,7 +59,28 @@ struct heap::impl {
     std::uint8_t flags = 0;
   };
 
-  struct slab {
+  // Per-slot arrays written on the thread-cache hot path: each starts on its own cache line and
+  // is padded to whole lines, so two threads' slabs never share a line (small classes have tiny
+  // arrays that malloc would otherwise pack side by side: false sharing on every free).
+  template <class T>
+  struct line_array {
+    T* p = nullptr;
+    std::size_t bytes = 0;
+    void reset(std::size_t n) {
+      release();
+      bytes = (n * sizeof(T) + 63) / 64 * 64;
+      p = static_cast<T*>(::operator new(bytes, std::align_val_t{64}));
+      for (std::size_t i = 0; i < n; ++i) new (&p[i]) T();
+    }
+    void release() {
+      if (p) ::operator delete(p, std::align_val_t{64});
+      p = nullptr;
+    }
+    ~line_array() { release(); }
+    T& operator[](std::size_t i) const { return p[i]; }
+  };
+
+  struct alignas(64) slab {
     std::uintptr_t base = 0;
     block* blk = nullptr;
     stream_t stream = nullptr;
@@ -68,8 +90,8 @@ struct heap::impl {
     std::vector<std::uint32_t> free;   // stack of free slot indices: pop = O(1)
     // Per slot: 0 free, 1 the user's, 2 in a thread cache, 3 the user's with record_stream.
     // Atomic bytes: thread caches flip their own slots without the heap lock.
-    std::unique_ptr<std::atomic<std::uint8_t>[]> state;
-    std::unique_ptr<std::uint32_t[]> req;  // requested bytes per slot
+    line_array<std::atomic<std::uint8_t>> state;
+    line_array<std::uint32_t> req;  // requested bytes per slot
     std::uint64_t owner = 0;  // thread cache that refills from it (0: none): no false sharing
     slab* prev = nullptr;              // class list of slabs with a free slot
     slab* next = nullptr;
@@ -682,9 +704,8 @@ struct heap::impl {
     s->inv = ((std::uint64_t{1} << 40) + s->slot - 1) / s->slot;
     s->free.resize(s->nslots);
     for (std::uint32_t i = 0; i < s->nslots; ++i) s->free[i] = s->nslots - 1 - i;
-    s->state.reset(new std::atomic<std::uint8_t>[s->nslots]);
-    for (std::uint32_t i = 0; i < s->nslots; ++i) s->state[i].store(0, std::memory_order_relaxed);
-    s->req.reset(new std::uint32_t[s->nslots]());
+    s->state.reset(s->nslots);  // zero-initialised: every slot free
+    s->req.reset(s->nslots);
     pages[a.page_of(b->addr)].s.store(s.get(), std::memory_order_release);
     st.slab_bytes += G;
     ++st.slabs;
@@ -951,18 +972,20 @@ status heap::trim(std::size_t keep) {
   for (auto& e : m.pages)
     if (impl::slab* s = e.s.load(); s && s->used == 0) empty.push_back(s);
   for (auto* s : empty) m.destroy_slab(s);
-  while (m.a.free_chunk_bytes() + m.a.idle_bytes() > keep) {
+  status r;
+  while (r.ok() && m.a.free_chunk_bytes() + m.a.idle_bytes() > keep) {
     if (m.a.idle_bytes()) {
-      status r = m.a.release_idle(keep > m.a.free_chunk_bytes() ? keep - m.a.free_chunk_bytes() : 0);
-      if (!r.ok()) return r;
-      if (m.a.free_chunk_bytes() + m.a.idle_bytes() <= keep) break;
+      r = m.a.release_idle(keep > m.a.free_chunk_bytes() ? keep - m.a.free_chunk_bytes() : 0);
+      if (!r.ok() || m.a.free_chunk_bytes() + m.a.idle_bytes() <= keep) break;
     }
     if (m.a.oldest_free_chunk() == arena::no_chunk) break;
     bool busy = false;
-    status r = m.release_chunk(m.a.oldest_free_chunk(), false, true, busy);
-    if (!r.ok()) return r;
+    r = m.release_chunk(m.a.oldest_free_chunk(), false, true, busy);
   }
-  return m.a.take_parked_error();  // a refused release is reported (its handle stays for retry)
+  // A release refused during this call is reported by this call only (its handle stays parked and
+  // is retried later); the first error wins.
+  status parked = m.a.take_parked_error();
+  return r.ok() ? parked : r;
 }
 
 int heap::small_class(std::size_t n) const noexcept {

@@ -13,7 +13,8 @@
 //   alignment > granularity (2 MiB)           invalid_value
 //   pointer of a destroyed allocator          invalid_pointer (unless the new allocator has since
 //                                             handed out that very address: undetectable)
-//   count x size overflow in typed allocation NOT TESTED: there is no typed allocation API yet
+//   count x size overflow (allocate_array<T>,  out_of_memory, never a short block;
+//                           vmm_calloc_n)     C: NULL + VMM_ERROR_OUT_OF_MEMORY
 //
 // A double free is detected only while the address is not handed out again: once another
 // allocation reuses it, a second free of the old pointer frees the new block (as with any
@@ -311,10 +312,34 @@ TEST_CASE("near-reservation sizes through the large path (no huge path): out_of_
       expect_bad_alloc(*f.a, n, align, errc::out_of_memory, compare::backend_oom);
 }
 
-TEST_CASE("count x size overflow in typed allocation" * doctest::skip(true)) {
-  // Not testable: the library has no typed allocation API (allocate<T>(count)) yet. When one is
-  // added, count * sizeof(T) overflowing size_t must give out_of_memory (or invalid_value), never
-  // a short allocation.
+TEST_CASE("count x size overflow in typed allocation: out_of_memory, never a short block") {
+  fixture f;
+  struct big {
+    char b[24];
+  };
+  struct alignas(4096) page {
+    char b[4096];
+  };
+  for (std::size_t count : {SIZE_MAX, SIZE_MAX / 2, SIZE_MAX / 24 + 1, (SIZE_MAX >> 3) + 2}) {
+    CAPTURE(count);
+    auto before = f.a->stats();
+    CHECK_THROWS_AS(f.a->allocate_array<big>(count), vmm::out_of_memory);
+    CHECK_THROWS_AS(f.a->allocate_array<double>(count), std::bad_alloc);
+    CHECK_THROWS_AS(f.a->allocate_array<page>(count), vmm::out_of_memory);
+    same_stats(before, f.a->stats());
+    CHECK(f.a->check() == "");
+  }
+  // count 0 is size 0
+  CHECK_THROWS_AS(f.a->allocate_array<double>(0), vmm::error);
+  CHECK(last_error().st.kind == errc::invalid_value);
+  // just below the overflow: a product that fits but exceeds the reservation
+  CHECK_THROWS_AS(f.a->allocate_array<big>(SIZE_MAX / 24), vmm::out_of_memory);
+  // a fitting count works, aligned for T
+  page* pg = f.a->allocate_array<page>(5);
+  CHECK(reinterpret_cast<std::uintptr_t>(pg) % alignof(page) == 0);
+  CHECK(f.a->usable_size(pg) >= 5 * sizeof(page));
+  f.a->deallocate(pg);
+  still_works(*f.a);
 }
 
 TEST_CASE("alignment not a power of two: invalid_value") {
@@ -453,6 +478,23 @@ TEST_CASE("C API: bad sizes and alignments -> NULL with the right status") {
     same_c_stats(before, f.stats());
     c_still_works(f.a);
   }
+  // count x size overflow
+  for (std::size_t count : {SIZE_MAX, SIZE_MAX / 2, SIZE_MAX / 3 + 1}) {
+    CAPTURE(count);
+    auto before = f.stats();
+    CHECK(vmm_calloc_n(f.a, count, 3) == nullptr);
+    CHECK(vmm_last_status() == VMM_ERROR_OUT_OF_MEMORY);
+    CHECK(std::strlen(vmm_last_error()) > 0);
+    CHECK(vmm_calloc_n(f.a, 3, count) == nullptr);
+    CHECK(vmm_last_status() == VMM_ERROR_OUT_OF_MEMORY);
+    same_c_stats(before, f.stats());
+    c_still_works(f.a);
+  }
+  CHECK(vmm_calloc_n(f.a, 0, 8) == nullptr);  // size 0
+  CHECK(vmm_last_status() == VMM_ERROR_INVALID_VALUE);
+  void* arr = vmm_calloc_n(f.a, 1000, 24);
+  CHECK(arr != nullptr);
+  CHECK(vmm_free(f.a, arr) == VMM_SUCCESS);
   // alignment 0 in vmm_aligned_alloc is an error (C11 aligned_alloc would be undefined)
   CHECK(vmm_aligned_alloc(f.a, 0, 100) == nullptr);
   CHECK(vmm_last_status() == VMM_ERROR_INVALID_VALUE);

@@ -523,3 +523,21 @@ TEST_CASE("bad input: a pointer from a destroyed allocator is refused by the nex
   CHECK(b.stats().live == before.live);
   b.deallocate(b.allocate(100));
 }
+
+TEST_CASE("stats: a block allocated through a thread cache and freed on the locked path keeps peaks sane") {
+  auto a = host_traits::make(conf::small_options());
+  auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
+  void* p = a.allocate(100, 0, s1);  // served by this thread's cache (requested counted there)
+  a.deallocate(p, s2);               // another stream: the locked path subtracts it in the heap
+  void* big = a.allocate(3 * MiB);   // a locked-path allocation updates the heap's peak
+  a.deallocate(big);
+  std::vector<void*> v;
+  for (int i = 0; i < 64; ++i) v.push_back(a.allocate(5000));  // cache refills (locked path)
+  for (void* q : v) a.deallocate(q);
+  auto s = a.stats();
+  CHECK(s.requested == 0);
+  CHECK(s.live == 0);
+  CHECK(s.peak_requested <= s.peak_allocated);
+  CHECK(s.peak_requested <= (std::size_t{1} << 40));
+  CHECK(a.check() == "");
+}

@@ -365,8 +365,8 @@ allocator_stats allocator::stats() const {
   s.allocs = h.allocs - rf + fa;
   s.frees = h.frees - fl + ff;
   // Peaks are exact without thread caches; with them they are sampled at refills and flushes.
-  s.peak_requested = std::max(h.peak_requested, s.requested);
   s.peak_allocated = std::max(h.peak_allocated, s.allocated);
+  s.peak_requested = std::min(std::max(h.peak_requested, s.requested), s.peak_allocated);
   s.mapped = a.mapped;
   s.physical = a.physical;
   s.reserved = a.reserved;

@@ -821,7 +821,11 @@ struct heap::impl {
   void note_alloc(std::size_t n, std::size_t sz) {
     st.requested += n;
     st.allocated += sz;
-    st.peak_requested = std::max(st.peak_requested, st.requested);
+    // With thread caches, requested bytes of cache-served blocks live in the caches' counters, so
+    // this counter alone can dip "below zero" (mod 2^64) when such a block is freed here. Only a
+    // non-wrapped value is a candidate for the peak.
+    if (static_cast<std::int64_t>(st.requested) >= 0)
+      st.peak_requested = std::max(st.peak_requested, st.requested);
     st.peak_allocated = std::max(st.peak_allocated, st.allocated);
     ++st.allocs;
     ++st.live;

@@ -237,45 +237,43 @@ struct heap::impl {
   }
 
   // ---- streams ----
+  // Makes sure the stream's latest fence was recorded after free number seq_at_free.
+  status fence_after(stream_state& ss, stream_t s, std::uint64_t seq_at_free) {
+    if (ss.fence_seq > seq_at_free) return {};
+    auto r = a.backend().record_fence(s);
+    if (!r.ok()) return r.st;
+    if (ss.fence) a.backend().drop_fence(ss.fence);
+    ss.fence = r.value;
+    ss.fence_seq = seq + 1;
+    ss.done = false;
+    return {};
+  }
+  void note_done(stream_state& ss) {
+    ss.done = true;
+    ss.completed_seq = std::max(ss.completed_seq, ss.fence_seq);
+  }
+
   // Whether a fence recorded on s after free number `seq_at_free` has completed. Records the
   // fence lazily (first time another stream asks) and only queries it: never waits.
   bool fence_covers(stream_t s, std::uint64_t seq_at_free) {
     stream_state& ss = streams[s];
     if (seq_at_free < ss.completed_seq) return true;
-    if (ss.fence_seq <= seq_at_free) {
-      auto r = a.backend().record_fence(s);
-      if (!r.ok()) return false;
-      if (ss.fence) a.backend().drop_fence(ss.fence);
-      ss.fence = r.value;
-      ss.fence_seq = seq + 1;
-      ss.done = false;
-    }
-    if (!ss.done) ss.done = a.backend().fence_done(ss.fence);
-    if (ss.done) ss.completed_seq = std::max(ss.completed_seq, ss.fence_seq);
+    if (!fence_after(ss, s, seq_at_free).ok()) return false;
+    if (ss.done || a.backend().fence_done(ss.fence)) note_done(ss);
     return ss.done;
   }
+  // The same, but waits for that fence (slow path: unmapping). A fence that cannot be recorded is
+  // an error, never "done".
   status wait_covered(stream_t s, std::uint64_t seq_at_free) {
     stream_state& ss = streams[s];
     if (seq_at_free < ss.completed_seq) return {};
-    if (ss.fence_seq <= seq_at_free) {  // record a fence after that free; failing that, refuse
-      auto r = a.backend().record_fence(s);
-      if (!r.ok()) return r.st;
-      if (ss.fence) a.backend().drop_fence(ss.fence);
-      ss.fence = r.value;
-      ss.fence_seq = seq + 1;
-      ss.done = false;
+    if (status r = fence_after(ss, s, seq_at_free); !r.ok()) return r;
+    if (!ss.done && !a.backend().fence_done(ss.fence)) {
+      status w = a.backend().wait_fence(ss.fence);  // only this stream, never the device
+      if (!w.ok()) return w;
     }
-    if (ss.done || a.backend().fence_done(ss.fence)) {
-      ss.done = true;
-      ss.completed_seq = std::max(ss.completed_seq, ss.fence_seq);
-      return {};
-    }
-    status w = a.backend().wait_fence(ss.fence);  // only this stream, never the device
-    if (w.ok()) {
-      ss.done = true;
-      ss.completed_seq = std::max(ss.completed_seq, ss.fence_seq);
-    }
-    return w;
+    note_done(ss);
+    return {};
   }
   bool usable(block* b, stream_t x) {
     return !(b->flags & f_tagged) || b->stream == x || fence_covers(b->stream, b->free_seq);

@@ -773,6 +773,24 @@ struct heap::impl {
   }
 
   // ---- deferred frees (record_stream, cross-stream small frees) ----
+  // Records a fence on each stream into `out`, all or nothing: if one cannot be recorded, the
+  // ones already recorded are dropped, `out` is left empty and the driver's error returned.
+  status record_fences(const std::vector<stream_t>& on, std::vector<fence_t>& out) {
+    for (auto xs : on) {
+      auto f = a.backend().record_fence(xs);
+      if (!f.ok()) {
+        drop_fences(out);
+        return f.st;
+      }
+      if (f.value) out.push_back(f.value);  // 0: the stream is already idle
+    }
+    return {};
+  }
+  void drop_fences(std::vector<fence_t>& fs) {
+    for (auto f : fs) a.backend().drop_fence(f);
+    fs.clear();
+  }
+
   void poll_deferred(bool wait) {
     for (std::size_t i = 0; i < deferred_frees.size();) {
       auto& d = deferred_frees[i];
@@ -785,7 +803,7 @@ struct heap::impl {
         ++i;
         continue;
       }
-      for (auto f : d.fences) a.backend().drop_fence(f);
+      drop_fences(d.fences);
       deferred d2 = std::move(d);
       deferred_frees[i] = std::move(deferred_frees.back());
       deferred_frees.pop_back();
@@ -842,7 +860,7 @@ heap::~heap() {
   // Slabs are heap objects: collect them through the page map (every slab owns one page).
   for (auto& e : p_->pages) delete e.s.load();
   for (auto& d : p_->deferred_frees)
-    for (auto f : d.fences) p_->a.backend().drop_fence(f);
+    p_->drop_fences(d.fences);
   for (auto& [s, ss] : p_->streams)
     if (ss.fence) p_->a.backend().drop_fence(ss.fence);
 }
@@ -873,24 +891,17 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     if (state == 0) return fail(errc::invalid_pointer, "double free (block is not allocated)");
     if (state == 2) return fail(errc::invalid_pointer, "double free (block is already freed into a thread cache)");
     // Fences first: if one cannot be recorded the free is refused and the block stays allocated.
-    std::vector<fence_t> fences;
-    auto drop = [&] { for (auto f : fences) m.a.backend().drop_fence(f); };
+    // The slab's stream reuses slots at once, so a free on another stream waits for that stream.
+    std::vector<stream_t> wait_on;
     auto extra = m.extra_streams.find(p);
-    if (extra != m.extra_streams.end())
-      for (auto xs : extra->second) {
-        auto f = m.a.backend().record_fence(xs);
-        if (!f.ok()) return drop(), f.st;
-        if (f.value) fences.push_back(f.value);
-      }
-    if (s != sl->stream) {  // the slab's stream reuses slots at once: it must wait for s
-      auto f = m.a.backend().record_fence(s);
-      if (!f.ok()) return drop(), f.st;
-      if (f.value) fences.push_back(f.value);
-    }
+    if (extra != m.extra_streams.end()) wait_on = extra->second;
+    if (s != sl->stream) wait_on.push_back(s);
+    std::vector<fence_t> fences;
+    if (status r = m.record_fences(wait_on, fences); !r.ok()) return r;
     // Claim the slot: a thread-cache free of the same pointer racing this one (a caller's bug)
     // sees the state change and reports a double free instead of both succeeding.
     if (!sl->state[i].compare_exchange_strong(state, 0, std::memory_order_acq_rel))
-      return drop(), fail(errc::invalid_pointer, "double free (freed concurrently by another thread)");
+      return m.drop_fences(fences), fail(errc::invalid_pointer, "double free (freed concurrently by another thread)");
     if (extra != m.extra_streams.end()) m.extra_streams.erase(extra);
     m.note_free(sl->req[i], sl->slot);
     sl->req[i] = 0;
@@ -911,15 +922,8 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
   for (auto& d : m.deferred_frees)
     if (d.p == p) return fail(errc::invalid_pointer, "double free (free already pending)");
   if (auto it = m.extra_streams.find(p); it != m.extra_streams.end()) {
-    std::vector<fence_t> fences;
-    for (auto xs : it->second) {
-      auto f = m.a.backend().record_fence(xs);
-      if (!f.ok()) {  // refused: the block stays allocated, record_stream state intact
-        for (auto g : fences) m.a.backend().drop_fence(g);
-        return f.st;
-      }
-      if (f.value) fences.push_back(f.value);
-    }
+    std::vector<fence_t> fences;  // refused: the block stays allocated, record_stream state intact
+    if (status r = m.record_fences(it->second, fences); !r.ok()) return r;
     m.extra_streams.erase(it);
     m.note_free(b->requested, b->size);
     if (!fences.empty()) {

@@ -119,18 +119,26 @@ void settle_device() {
 #endif
 }
 
+// A buffer of capacity `limit` already grown to `size`; on failure the benchmark is skipped with
+// the reason and nothing is returned.
+std::optional<vmm::growable_buffer> open_buffer(benchmark::State& st, buffer_factory make, std::size_t limit,
+                                                std::size_t size) {
+  try {
+    std::optional<vmm::growable_buffer> b(make(limit));
+    b->resize(size);
+    return b;
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return std::nullopt;
+  }
+}
+
 // OLD -> 2 x OLD in place; only resize() is timed. The shrink back releases the grown chunk, so
 // every iteration maps new physical memory, as a real growth would.
 void bm_inplace(benchmark::State& st, buffer_factory make) {
   const std::size_t old_n = g_old, new_n = 2 * g_old;
-  std::optional<vmm::growable_buffer> b;
-  try {
-    b.emplace(make(new_n));
-    b->resize(old_n);
-  } catch (const std::exception& e) {
-    st.SkipWithError(e.what());
-    return;
-  }
+  std::optional<vmm::growable_buffer> b = open_buffer(st, make, new_n, old_n);
+  if (!b) return;
   void* const p = b->data();
   const auto creates0 = b->counts().create;
   try {
@@ -158,14 +166,8 @@ void bm_inplace(benchmark::State& st, buffer_factory make) {
 constexpr std::size_t step_bytes = std::size_t{64} << 20, steps_top = std::size_t{8} << 30;
 
 void bm_steps(benchmark::State& st, buffer_factory make) {
-  std::optional<vmm::growable_buffer> b;
-  try {
-    b.emplace(make(steps_top));
-    b->resize(step_bytes);
-  } catch (const std::exception& e) {
-    st.SkipWithError(e.what());
-    return;
-  }
+  std::optional<vmm::growable_buffer> b = open_buffer(st, make, steps_top, step_bytes);
+  if (!b) return;
   void* const p = b->data();
   const auto maps0 = b->counts().map;
   std::uint64_t rounds = 0;
@@ -200,14 +202,10 @@ void bm_inplace_fresh(benchmark::State& st, buffer_factory make) {
   constexpr int kBuffers = 8;
   const std::size_t old_n = g_old, new_n = 2 * g_old;
   std::vector<vmm::growable_buffer> bufs;
-  try {
-    for (int i = 0; i < kBuffers; ++i) {
-      bufs.push_back(make(new_n));
-      bufs.back().resize(old_n);
-    }
-  } catch (const std::exception& e) {
-    st.SkipWithError(e.what());
-    return;
+  for (int i = 0; i < kBuffers; ++i) {
+    auto b = open_buffer(st, make, new_n, old_n);
+    if (!b) return;
+    bufs.push_back(std::move(*b));
   }
   settle_device();
   int i = 0;
@@ -232,14 +230,8 @@ void bm_inplace_fresh(benchmark::State& st, buffer_factory make) {
 // untimed and the device settled, as in growth_inplace.
 void bm_inplace_2mib(benchmark::State& st, buffer_factory make) {
   const std::size_t old_n = g_old, new_n = 2 * g_old, step = std::size_t{2} << 20;
-  std::optional<vmm::growable_buffer> b;
-  try {
-    b.emplace(make(new_n));
-    b->resize(old_n);
-  } catch (const std::exception& e) {
-    st.SkipWithError(e.what());
-    return;
-  }
+  std::optional<vmm::growable_buffer> b = open_buffer(st, make, new_n, old_n);
+  if (!b) return;
   settle_device();
   const auto maps0 = b->counts().map;
   std::uint64_t rounds = 0;

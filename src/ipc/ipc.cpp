@@ -1,0 +1,1 @@
+// ipc: see include/vmmalloc/ipc.hpp (being written)

@@ -1,0 +1,1 @@
+// kv_cache: see include/vmmalloc/kv_cache.hpp (being written)

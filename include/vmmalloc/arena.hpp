@@ -52,6 +52,10 @@ struct options {
   std::size_t huge_threshold = std::size_t{256} << 20;  // >= this: a dedicated chunk
   bool thread_cache = true;     // per-thread stacks of small slots: no lock on the hot path
   std::size_t thread_cache_slots = 32;  // per class and thread (refill / flush half of it)
+  // Trace recording: every allocation and free, in the shared trace format (a ADDR SIZE STREAM /
+  // f ADDR SIZE STREAM), written through a 1 MiB buffer, for vmm-replay. "" = off (no cost).
+  // On: one uncontended mutex per event, thread caches included (bench/RESULTS.md: overhead).
+  std::string trace_path;
 };
 
 struct driver_counts {
@@ -69,6 +73,8 @@ struct arena_stats {
   std::size_t chunks = 0;
   std::uint64_t stitched = 0;          // chunks mapped from idle handles (no create)
   std::uint64_t compression_fallbacks = 0;
+  std::uint64_t ipc_fallbacks = 0;     // fabric asked, POSIX fd used (not supported / not permitted)
+  std::uint64_t access_changes = 0;    // grant/revoke calls that changed the access table
   driver_counts calls;
 };
 
@@ -145,6 +151,18 @@ class arena {
   const chunk_props& props() const { return props_; }
   std::span<const access_desc> access() const { return access_; }
 
+  // Run-time access policy: gives `device` `mode` (access_mode::none revokes) on every mapped
+  // chunk and on all future mappings. One set_access per contiguous mapped run, not per chunk.
+  // The owner device cannot be changed; a device that cannot access the owner, or whose
+  // granularity is larger than the arena's, is refused with the table untouched. On a failure
+  // part-way, runs already changed are set back (all or nothing).
+  status set_peer_access(int device, access_mode mode);
+  // Mapped runs (maximal VA ranges of adjacent chunks), in address order.
+  std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_runs() const;
+
+  // The shareable handle of a chunk (ipc policy only): an fd the caller owns, or fabric bytes.
+  result<shareable_handle> export_chunk(std::uint32_t id);
+
   // Counted backend calls (the thin layer: counts, live objects, errors).
   status call_set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc> a);
 
@@ -176,7 +194,7 @@ class arena {
 
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
   std::size_t peak_mapped_ = 0, peak_physical_ = 0;
-  std::uint64_t stitched_ = 0, compression_fallbacks_ = 0;
+  std::uint64_t stitched_ = 0, compression_fallbacks_ = 0, ipc_fallbacks_ = 0, access_changes_ = 0;
   status parked_error_;
   driver_counts calls_;
 };

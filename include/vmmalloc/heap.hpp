@@ -45,6 +45,17 @@ struct heap_stats {
   std::size_t slab_bytes = 0;                          // bytes of pages held by slabs
   std::uint64_t slabs = 0, huge_live = 0, deferred = 0;  // deferred: frees waiting on fences
   std::uint64_t grows = 0, chunk_releases = 0, trims = 0;
+  std::uint64_t exported_released = 0;  // exported allocations freed (chunks released, not reused)
+};
+
+// Occupancy of one size class (small path), for diagnostics.
+struct class_occupancy {
+  std::size_t slot_size = 0;      // bytes per slot
+  std::size_t slabs = 0;          // slabs (one page each) of this class
+  std::size_t slots = 0;          // slots in those slabs
+  std::size_t used_slots = 0;     // slots not free in the heap: live, thread-cached or pending free
+  std::size_t cached_slots = 0;   // of which held by thread caches
+  std::size_t live_bytes = 0;     // bytes requested by the live slots
 };
 
 class heap {
@@ -60,8 +71,17 @@ class heap {
   status deallocate(std::uintptr_t p, stream_t s);
   // The block is also used on `s`: its free waits for a fence on `s` too.
   status record_stream(std::uintptr_t p, stream_t s);
+  // Export (ipc policy): the chunks of the live allocation starting at p, in VA order, and its
+  // requested bytes. Marks it exported: when freed its chunks are released, never reused, so an
+  // importer that still maps them sees nothing but this allocation.
+  status export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& chunk_ids, std::size_t& bytes);
   // Bytes usable at p (0 if p is not a live allocation) and bytes requested for it.
   std::size_t usable_size(std::uintptr_t p) const;
+
+  // Bytes requested for the live allocation at p (0 if none).
+  std::size_t requested_size(std::uintptr_t p) const;
+  // Per size class: slabs, slots, used slots, live bytes. Walks the page map (slow path).
+  std::vector<class_occupancy> occupancy() const;
 
   // Releases empty slabs, wholly free chunks and idle handles until kept bytes <= keep.
   status trim(std::size_t keep);

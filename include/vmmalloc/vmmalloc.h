@@ -50,6 +50,7 @@ typedef struct vmm_policy {
   size_t alignment;           /* 0: 256 */
   size_t host_granularity;    /* host backend only; 0: 2 MiB */
   size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */
+  const char* trace_path;     /* NULL/"": off; else every malloc/free is written there (trace format) */
 } vmm_policy;
 
 typedef struct vmm_stats {
@@ -58,7 +59,21 @@ typedef struct vmm_stats {
   size_t chunks;
   uint64_t allocs, frees, live;
   uint64_t driver_calls, creates, maps, unmaps, set_access, releases;
+  /* memory the allocator holds that is not mapped / not in use */
+  size_t idle;             /* created, unmapped physical memory kept for reuse */
+  size_t free_chunk_bytes; /* mapped chunks holding no allocation */
+  size_t slab_bytes;       /* pages held by size-class slabs */
+  uint64_t deferred;       /* frees waiting for other streams */
+  uint64_t grows, chunk_releases, trims, stitched;
+  uint64_t compression_fallbacks, ipc_fallbacks, access_changes, exported, exported_released;
+  uint64_t traced_events;
+  double fragmentation;    /* 1 - requested / mapped (0 when nothing is mapped) */
 } vmm_stats;
+
+/* Occupancy of one size class (small allocations live in slabs of equal slots). */
+typedef struct vmm_class_stats {
+  size_t slot_size, slabs, slots, used_slots, cached_slots, live_bytes;
+} vmm_class_stats;
 
 typedef struct vmm_allocator vmm_allocator;
 
@@ -79,6 +94,12 @@ void* vmm_calloc_n(vmm_allocator* a, size_t count, size_t size);
 vmm_status vmm_trim(vmm_allocator* a, size_t keep);
 vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out);
 vmm_status vmm_check(vmm_allocator* a); /* VMM_SUCCESS when every invariant holds */
+vmm_status vmm_reset_peaks(vmm_allocator* a);
+/* Writes up to cap classes to out; *count gets the number of classes (call with cap 0 to size). */
+vmm_status vmm_get_class_stats(vmm_allocator* a, vmm_class_stats* out, size_t cap, size_t* count);
+/* Run-time peer access: every mapped chunk and every later one, one driver call per mapped run. */
+vmm_status vmm_grant(vmm_allocator* a, int device, int read_only);
+vmm_status vmm_revoke(vmm_allocator* a, int device);
 
 vmm_status vmm_last_status(void);
 const char* vmm_last_error(void); /* "" when the last call on this thread succeeded */

@@ -16,6 +16,7 @@
 #include <system_error>
 
 #include "vmmalloc/heap.hpp"
+#include "vmmalloc/ipc.hpp"
 
 namespace vmm {
 
@@ -66,7 +67,15 @@ struct allocator_stats {
   std::size_t chunks = 0, idle = 0, free_chunk_bytes = 0, slab_bytes = 0;
   std::uint64_t allocs = 0, frees = 0, live = 0, deferred = 0;
   std::uint64_t grows = 0, chunk_releases = 0, trims = 0, stitched = 0, compression_fallbacks = 0;
-  driver_counts calls;
+  std::uint64_t ipc_fallbacks = 0;      // fabric asked for, POSIX fds used
+  std::uint64_t access_changes = 0;     // grant/revoke calls that changed the access table
+  std::uint64_t exported = 0;           // export_ipc calls that succeeded
+  std::uint64_t exported_released = 0;  // exported allocations freed (chunks released, never reused)
+  std::uint64_t traced_events = 0;      // events written by trace recording (options.trace_path)
+  // 1 - requested / mapped: the share of mapped memory not holding requested bytes (0 when
+  // nothing is mapped). Rounding, free blocks in spans, slabs' free slots and cached chunks.
+  double fragmentation = 0;
+  driver_counts calls;                  // calls.map / calls.unmap: chunk maps and unmaps
 };
 
 class allocator {
@@ -104,10 +113,30 @@ class allocator {
   void record_stream(void* p, stream_t s);
   std::size_t usable_size(const void* p) const;
 
+  // ---- policies (see README "Policies") ----
+  // Gives `device` access to every mapped chunk and every future one: one cuMemSetAccess per
+  // contiguous mapped run. Throws vmm::error for the owner device, a device that cannot access
+  // the owner, or a driver failure (then nothing changed).
+  void grant(int device, access_mode mode = access_mode::read_write);
+  void revoke(int device);             // access_mode::none for that device, same rules
+  std::vector<access_desc> access() const;  // owner first, then peers
+
+  // IPC (options.ipc = posix_fd or fabric): the live allocation starting at p as a handle another
+  // process imports (vmm::ipc::import). Every allocation of an ipc policy owns whole chunks, so
+  // the handle shares nothing else; once exported, freeing p releases its chunks (they are never
+  // reused while an importer may map them). Throws vmm::error; try_ form returns the status.
+  ipc::export_handle export_ipc(void* p);
+  status try_export_ipc(void* p, ipc::export_handle& out) noexcept;
+
   // Releases empty slabs, free chunks and idle physical memory down to `keep` bytes kept.
   void trim(std::size_t keep = 0);
-  allocator_stats stats() const;
+  allocator_stats stats() const;  // counters only: a lock and a copy, cheap enough to leave on
+  // Per size class: slab count, slots, used slots, live bytes (walks the page map: diagnostics).
+  std::vector<class_occupancy> class_stats() const;
   void reset_peaks();
+  // Writes buffered trace events to options.trace_path now (also done when the buffer fills and
+  // when the allocator is destroyed).
+  void flush_trace();
   // Walks all metadata and verifies every invariant. "" when all hold, else what is wrong.
   std::string check() const;
 

@@ -27,7 +27,10 @@ status arena::open() {
     props_.compressible = false;  // prefer: fall back, counted
     ++compression_fallbacks_;
   }
-  if (props_.ipc == ipc_kind::fabric && !(caps & cap_export_fabric)) props_.ipc = ipc_kind::posix_fd;
+  if (props_.ipc == ipc_kind::fabric && !(caps & cap_export_fabric)) {
+    props_.ipc = ipc_kind::posix_fd;  // as NCCL does: fabric where the device has it, else fds
+    ++ipc_fallbacks_;
+  }
   if (props_.ipc == ipc_kind::posix_fd && !(caps & cap_export_posix_fd))
     return fail(errc::not_supported, "arena", "POSIX fd export not supported by this device");
 
@@ -105,6 +108,17 @@ void arena::release_or_park(mem_handle h, std::size_t size) {
 result<mem_handle> arena::create_handle(std::size_t size) {
   ++calls_.create;
   auto h = b_->create(size, props_);
+  if (!h.ok() && props_.ipc == ipc_kind::fabric &&
+      (h.st.kind == errc::not_permitted || h.st.kind == errc::not_supported) &&
+      (b_->capabilities() & cap_export_posix_fd)) {
+    // Fabric handles need an IMEX channel; without one the driver refuses (NOT_PERMITTED).
+    // Fall back to POSIX fds for this and every later chunk, counted.
+    ++calls_.failures;
+    props_.ipc = ipc_kind::posix_fd;
+    ++ipc_fallbacks_;
+    ++calls_.create;
+    h = b_->create(size, props_);
+  }
   if (!h.ok()) {
     ++calls_.failures;
     return h;
@@ -265,6 +279,69 @@ status arena::call_set_access(std::uintptr_t va, std::size_t size, std::span<con
   return st;
 }
 
+std::vector<std::pair<std::uintptr_t, std::size_t>> arena::mapped_runs() const {
+  std::vector<std::pair<std::uintptr_t, std::size_t>> runs;
+  std::uintptr_t cur = base_;
+  // Holes are sorted: the mapped runs are exactly the gaps between them.
+  for (auto& [hs, hn] : holes_) {
+    if (hs > cur) runs.emplace_back(cur, hs - cur);
+    cur = hs + hn;
+  }
+  if (size_ && cur < base_ + size_) runs.emplace_back(cur, base_ + size_ - cur);
+  return runs;
+}
+
+status arena::set_peer_access(int device, access_mode mode) {
+  if (device == opt_.device)
+    return fail(errc::invalid_value, "set_peer_access", "the owner device's access cannot be changed");
+  if (device < 0) return fail(errc::invalid_value, "set_peer_access", "negative device ordinal");
+  if (mode != access_mode::none) {
+    if (!b_->can_access_peer(device, opt_.device))
+      return fail(errc::invalid_value, "set_peer_access", "peer device cannot access the owner device");
+    chunk_props pp = props_;
+    pp.id = device;
+    auto pg = b_->granularity(pp);
+    if (!pg.ok()) return pg.st;
+    if (pg.value.minimum > gran_)
+      return fail(errc::invalid_value, "set_peer_access",
+                  "peer granularity is larger than the arena's (name the peer in options.peers)");
+  }
+  auto it = std::find_if(access_.begin(), access_.end(), [&](const access_desc& a) { return a.device == device; });
+  const access_mode old = it == access_.end() ? access_mode::none : it->mode;
+  if (old == mode) return {};
+  // One call per mapped run, naming only this device: the others' access is untouched.
+  const access_desc now[1] = {{device, mode}};
+  const access_desc before[1] = {{device, old}};
+  auto runs = mapped_runs();
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    status st = call_set_access(runs[i].first, runs[i].second, now);
+    if (!st.ok()) {
+      for (std::size_t j = i; j-- > 0;) call_set_access(runs[j].first, runs[j].second, before);
+      return st;
+    }
+  }
+  if (mode == access_mode::none) {
+    if (it != access_.end()) access_.erase(it);
+  } else if (it != access_.end()) {
+    it->mode = mode;
+  } else {
+    access_.push_back({device, mode});
+  }
+  ++access_changes_;
+  return {};
+}
+
+result<shareable_handle> arena::export_chunk(std::uint32_t id) {
+  if (id >= chunks_.size() || !chunks_[id].size)
+    return {{}, fail(errc::invalid_value, "export", "no such chunk")};
+  if (props_.ipc == ipc_kind::none)
+    return {{}, fail(errc::not_supported, "export", "the policy is not exportable (options.ipc is none)")};
+  ++calls_.export_handle;
+  auto r = b_->export_handle(chunks_[id].handle, props_.ipc);
+  if (!r.ok()) ++calls_.failures;
+  return r;
+}
+
 status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
   chunk& c = chunks_[id];
   assert(c.size && c.used == 0);
@@ -375,6 +452,8 @@ arena_stats arena::stats() const {
   s.chunks = chunk_count_;
   s.stitched = stitched_;
   s.compression_fallbacks = compression_fallbacks_;
+  s.ipc_fallbacks = ipc_fallbacks_;
+  s.access_changes = access_changes_;
   s.calls = calls_;
   return s;
 }

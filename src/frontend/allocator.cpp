@@ -9,7 +9,12 @@
 // takes none of them: it pops or pushes a per-thread stack and flips the slot's state byte.
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "vmmalloc/vmmalloc.hpp"
@@ -60,6 +65,55 @@ void throw_status(const status& s, const std::string& context) {
 
 struct tcache;
 
+// Trace recording (options.trace_path): the shared trace format, one line per event, through a
+// 1 MiB buffer. One mutex per event keeps the lines in the order the calls happened, which the
+// replay needs (a free after its allocation). Stream handles become small ids in order of first use.
+struct trace_writer {
+  std::mutex mu;
+  std::FILE* f = nullptr;
+  std::string buf;
+  std::unordered_map<stream_t, unsigned> ids;
+  std::uint64_t events = 0;
+  static constexpr std::size_t kFlushAt = std::size_t{1} << 20;
+
+  status open(const std::string& path) {
+    f = std::fopen(path.c_str(), "w");
+    if (!f) return {errc::invalid_value, errno, "cannot open options.trace_path for writing", "fopen"};
+    buf.reserve(kFlushAt + 128);
+    return {};
+  }
+  void event(char kind, std::uintptr_t p, std::size_t n, stream_t s) {
+    std::lock_guard g(mu);
+    unsigned id = 0;  // the default stream is 0, as in the traces; others 1, 2, ... by first use
+    if (s) id = ids.try_emplace(s, static_cast<unsigned>(ids.size()) + 1).first->second;
+    char line[80];  // 1 + 16 hex + 20 + 10 digits + separators; to_chars stops short of the end
+    char* e = line;
+    *e++ = kind;
+    *e++ = ' ';
+    e = std::to_chars(e, line + sizeof line - 8, p, 16).ptr;
+    *e++ = ' ';
+    e = std::to_chars(e, line + sizeof line - 8, n).ptr;
+    *e++ = ' ';
+    e = std::to_chars(e, line + sizeof line - 8, id).ptr;
+    *e++ = '\n';
+    buf.append(line, e);
+    ++events;
+    if (buf.size() >= kFlushAt) flush_locked();
+  }
+  void flush_locked() {
+    if (f && !buf.empty()) std::fwrite(buf.data(), 1, buf.size(), f), std::fflush(f);
+    buf.clear();
+  }
+  void flush() {
+    std::lock_guard g(mu);
+    flush_locked();
+  }
+  ~trace_writer() {
+    flush_locked();
+    if (f) std::fclose(f);
+  }
+};
+
 struct allocator::impl {
   std::unique_ptr<arena> ar;
   std::unique_ptr<heap> hp;
@@ -72,6 +126,8 @@ struct allocator::impl {
   std::vector<std::shared_ptr<tcache>> caches;
   std::uint64_t retired_req = 0, retired_allocs = 0, retired_frees = 0, retired_refilled = 0,
                 retired_flushed = 0;
+  std::unique_ptr<trace_writer> trace;  // null unless options.trace_path is set
+  std::uint64_t exported = 0;           // under mu
 
   tcache& my_cache();
   void flush_cache(tcache& c, bool all);  // caller holds mu
@@ -172,6 +228,11 @@ allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(st
   status s = p_->ar->open();
   if (!s.ok()) throw_status(s, "vmm::allocator");
   p_->hp = std::make_unique<heap>(*p_->ar);
+  if (!o.trace_path.empty()) {
+    p_->trace = std::make_unique<trace_writer>();
+    if (status t = p_->trace->open(o.trace_path); !t.ok())
+      throw_status(t, "vmm::allocator: trace file '" + o.trace_path + "': " + std::strerror(t.code));
+  }
   p_->tc_enabled = o.thread_cache && o.thread_cache_slots >= 2;
   p_->tc_cap = std::max<std::size_t>(o.thread_cache_slots, 2);
   for (std::size_t n = 1; p_->hp->small_class(n) >= 0; n += 256)
@@ -247,6 +308,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
         c.cached_bytes.add(-std::uint64_t{e.r.size});
         c.cached_count.add(-std::uint64_t{1});
         c.fast_allocs.add(1);
+        if (m.trace) [[unlikely]] m.trace->event('a', e.p, bytes, s);
         return reinterpret_cast<void*>(e.p);
       }
     }
@@ -260,6 +322,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
     set_last(r.st, "allocate");
     return nullptr;
   }
+  if (m.trace) [[unlikely]] m.trace->event('a', r.value, bytes, s);
   return reinterpret_cast<void*>(r.value);
 }
 
@@ -286,6 +349,7 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
         m.flush_cache(c, false);
       }
       c.req_delta.add(-std::uint64_t{*r.req});
+      if (m.trace) [[unlikely]] m.trace->event('f', u, *r.req, s);
       *r.req = 0;
       b.e[b.n++] = {u, r};
       b.stream = s;
@@ -298,7 +362,10 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
   status st;
   {
     std::lock_guard g(m.mu);
+    const std::size_t req = m.trace ? m.hp->requested_size(u) : 0;
     st = m.hp->deallocate(u, s);
+    // Under mu: another thread cannot reuse the address and trace its allocation first.
+    if (m.trace && st.ok()) [[unlikely]] m.trace->event('f', u, req, s);
   }
   if (!st.ok()) set_last(st, "deallocate");
   return st;
@@ -307,6 +374,81 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
 void allocator::deallocate(void* p, stream_t s) {
   status st = try_deallocate(p, s);
   if (!st.ok()) throw_status(st, "vmm::allocator::deallocate");
+}
+
+void allocator::grant(int device, access_mode mode) {
+  status st;
+  {
+    std::lock_guard g(p_->mu);
+    st = p_->ar->set_peer_access(device, mode);
+  }
+  if (!st.ok()) throw_status(st, "vmm::allocator::grant(device " + std::to_string(device) + ")");
+}
+
+void allocator::revoke(int device) {
+  status st;
+  {
+    std::lock_guard g(p_->mu);
+    st = p_->ar->set_peer_access(device, access_mode::none);
+  }
+  if (!st.ok()) throw_status(st, "vmm::allocator::revoke(device " + std::to_string(device) + ")");
+}
+
+std::vector<access_desc> allocator::access() const {
+  std::lock_guard g(p_->mu);
+  auto a = p_->ar->access();
+  return {a.begin(), a.end()};
+}
+
+status allocator::try_export_ipc(void* p, ipc::export_handle& out) noexcept {
+  impl& m = *p_;
+  status st;
+  try {
+    std::lock_guard g(m.mu);
+    std::vector<std::uint32_t> ids;
+    std::size_t bytes = 0;
+    st = m.hp->export_chunks(reinterpret_cast<std::uintptr_t>(p), ids, bytes);
+    if (st.ok()) {
+      ipc::export_handle h;  // closes the fds already exported if a later chunk fails
+      h.kind = m.ar->props().ipc;
+      h.device = m.ar->opts().device;
+      h.size = bytes;
+      h.offset = 0;  // whole-chunk allocations start at their first chunk
+      for (auto id : ids) {
+        auto r = m.ar->export_chunk(id);
+        if (!r.ok()) {
+          st = r.st;
+          break;
+        }
+        h.chunks.push_back({m.ar->get(id).size, r.value});
+        h.kind = r.value.kind;
+      }
+      if (st.ok()) {
+        ++m.exported;
+        out = std::move(h);
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    st = {errc::out_of_memory, ENOMEM, "host memory for the export handle", "export_ipc"};
+  }
+  if (!st.ok()) set_last(st, "export_ipc");
+  return st;
+}
+
+ipc::export_handle allocator::export_ipc(void* p) {
+  ipc::export_handle h;
+  status st = try_export_ipc(p, h);
+  if (!st.ok()) throw_status(st, "vmm::allocator::export_ipc");
+  return h;
+}
+
+std::vector<class_occupancy> allocator::class_stats() const {
+  std::lock_guard g(p_->mu);
+  return p_->hp->occupancy();
+}
+
+void allocator::flush_trace() {
+  if (p_->trace) p_->trace->flush();
 }
 
 void allocator::record_stream(void* p, stream_t s) {
@@ -382,6 +524,15 @@ allocator_stats allocator::stats() const {
   s.trims = h.trims;
   s.stitched = a.stitched;
   s.compression_fallbacks = a.compression_fallbacks;
+  s.ipc_fallbacks = a.ipc_fallbacks;
+  s.access_changes = a.access_changes;
+  s.exported = p_->exported;
+  s.exported_released = h.exported_released;
+  if (p_->trace) {
+    std::lock_guard t(p_->trace->mu);
+    s.traced_events = p_->trace->events;
+  }
+  s.fragmentation = s.mapped ? 1.0 - static_cast<double>(s.requested) / static_cast<double>(s.mapped) : 0.0;
   s.calls = a.calls;
   return s;
 }

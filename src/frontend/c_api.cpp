@@ -63,6 +63,7 @@ vmm_status vmm_create(const vmm_policy* p, vmm_allocator** out) {
   o.release_threshold = p->release_threshold;
   o.min_chunk = p->min_chunk;
   if (p->max_growth) o.max_growth = p->max_growth;
+  if (p->trace_path) o.trace_path = p->trace_path;
   if (p->alignment) {
     if (p->alignment & (p->alignment - 1)) return invalid("vmm_create: alignment is not a power of two");
     o.alignment = p->alignment;
@@ -148,8 +149,46 @@ vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out) {
   *out = vmm_stats{s.requested, s.allocated, s.mapped, s.physical, s.reserved,
                    s.peak_requested, s.peak_allocated, s.peak_mapped, s.peak_physical,
                    s.chunks, s.allocs, s.frees, s.live,
-                   s.calls.total(), s.calls.create, s.calls.map, s.calls.unmap, s.calls.set_access, s.calls.release};
+                   s.calls.total(), s.calls.create, s.calls.map, s.calls.unmap, s.calls.set_access, s.calls.release,
+                   s.idle, s.free_chunk_bytes, s.slab_bytes, s.deferred,
+                   s.grows, s.chunk_releases, s.trims, s.stitched,
+                   s.compression_fallbacks, s.ipc_fallbacks, s.access_changes, s.exported, s.exported_released,
+                   s.traced_events, s.fragmentation};
   return ok();
+}
+vmm_status vmm_reset_peaks(vmm_allocator* a) {
+  if (!a) return invalid("vmm_reset_peaks: allocator is NULL");
+  a->a.reset_peaks();
+  return ok();
+}
+vmm_status vmm_get_class_stats(vmm_allocator* a, vmm_class_stats* out, size_t cap, size_t* count) {
+  if (!a || !count || (cap && !out)) return invalid("vmm_get_class_stats: NULL argument");
+  try {
+    auto v = a->a.class_stats();
+    *count = v.size();
+    for (size_t i = 0; i < v.size() && i < cap; ++i)
+      out[i] = {v[i].slot_size, v[i].slabs, v[i].slots, v[i].used_slots, v[i].cached_slots, v[i].live_bytes};
+  } catch (const std::bad_alloc&) {
+    return set(VMM_ERROR_OUT_OF_MEMORY, "vmm_get_class_stats: host memory");
+  }
+  return ok();
+}
+static vmm_status set_access(vmm_allocator* a, int device, vmm::access_mode m, const char* fn) {
+  if (!a) return set(VMM_ERROR_INVALID_VALUE, std::string(fn) + ": allocator is NULL");
+  try {
+    if (m == vmm::access_mode::none) a->a.revoke(device); else a->a.grant(device, m);
+  } catch (const vmm::error& e) {
+    return set(to_c(e.st().kind), e.what());
+  } catch (const vmm::out_of_memory& e) {
+    return set(VMM_ERROR_OUT_OF_MEMORY, e.what());
+  }
+  return ok();
+}
+vmm_status vmm_grant(vmm_allocator* a, int device, int read_only) {
+  return set_access(a, device, read_only ? vmm::access_mode::read : vmm::access_mode::read_write, "vmm_grant");
+}
+vmm_status vmm_revoke(vmm_allocator* a, int device) {
+  return set_access(a, device, vmm::access_mode::none, "vmm_revoke");
 }
 
 vmm_status vmm_check(vmm_allocator* a) {

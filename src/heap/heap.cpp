@@ -42,7 +42,7 @@ inline void search_mapping(std::size_t size, int& fl, int& sl) {
 }  // namespace
 
 struct heap::impl {
-  enum : std::uint8_t { f_free = 1, f_sentinel = 2, f_slab = 4, f_huge = 8, f_tagged = 16 };
+  enum : std::uint8_t { f_free = 1, f_sentinel = 2, f_slab = 4, f_huge = 8, f_tagged = 16, f_exported = 32 };
 
   struct block {
     std::uintptr_t addr = 0;
@@ -150,7 +150,9 @@ struct heap::impl {
 
   explicit impl(arena& ar) : a(ar), G(ar.granularity()), pages(ar.pages()) {
     next_growth = ar.opts().min_chunk;
-    std::size_t small_max = std::min<std::size_t>(ar.opts().small_max, G / 8);
+    // An ipc policy puts every allocation on chunks of its own (an importer must map nothing
+    // else): no size classes, everything takes the huge path. Costs up to G - 1 bytes a block.
+    std::size_t small_max = whole_chunks() ? 0 : std::min<std::size_t>(ar.opts().small_max, G / 8);
     small_max = small_max / kUnit * kUnit;
     for (std::size_t s = kUnit; s <= std::min<std::size_t>(2048, small_max); s += kUnit)
       class_size.push_back(static_cast<std::uint32_t>(s));
@@ -168,6 +170,7 @@ struct heap::impl {
   }
 
   std::size_t small_limit() const { return class_size.empty() ? 0 : class_size.back(); }
+  bool whole_chunks() const { return a.opts().ipc != ipc_kind::none; }
 
   // ---- block pool and page chains ----
   block* new_block() {
@@ -276,6 +279,7 @@ struct heap::impl {
     return {};
   }
   bool usable(block* b, stream_t x) {
+    if (b->flags & f_exported) return false;  // free but not yet released (see free_huge)
     return !(b->flags & f_tagged) || b->stream == x || fence_covers(b->stream, b->free_seq);
   }
   static bool compatible(const block* l, const block* r) {
@@ -590,6 +594,7 @@ struct heap::impl {
 
   status release_huge(block* b, bool keep_handle) {
     assert(b && (b->flags & f_huge) && (b->flags & f_free));
+    if (b->flags & f_exported) keep_handle = false;  // an importer may still map it: never reuse
     if (b->flags & f_tagged) {
       status w = wait_covered(b->stream, b->free_seq);
       if (!w.ok()) return w;
@@ -657,11 +662,19 @@ struct heap::impl {
 
   void free_huge(block* b, stream_t s) {
     account(b->addr, b->size, false);
+    const bool exported = b->flags & f_exported;
     b->flags = f_huge | f_free | f_tagged;
     b->stream = s;
     b->free_seq = ++seq;
     b->requested = 0;
     huge_cache.emplace(b->size, b);
+    if (exported) {
+      // An importer may still map these chunks: they must never hold another allocation. Unmap
+      // and release them now (waits for s's work on the block); the importer's own handle keeps
+      // the memory alive until it closes. A failure leaves the block cached, never handed out:
+      if (!release_huge(b, false).ok()) b->flags |= f_exported;  // usable() refuses it below
+      else ++st.exported_released;
+    }
   }
 
   // ---- small path ----
@@ -873,8 +886,8 @@ result<std::uintptr_t> heap::allocate(std::size_t n, std::size_t align, stream_t
   if (n > m.a.reservation_size()) return {0, fail(errc::out_of_memory, "size larger than the reservation")};
   align = std::max(align, kUnit);
   if (n <= m.small_limit() && align <= kUnit) return m.allocate_small(n, s);
-  result<impl::block*> r = n >= m.a.opts().huge_threshold && align <= m.G ? m.allocate_huge(n, s)
-                                                                          : m.allocate_large(n, align, s);
+  const bool huge = (n >= m.a.opts().huge_threshold || m.whole_chunks()) && align <= m.G;
+  result<impl::block*> r = huge ? m.allocate_huge(n, s) : m.allocate_large(n, align, s);
   if (!r.ok()) return {0, r.st};
   m.note_alloc(n, r.value->size);
   return {r.value->addr, {}};
@@ -942,6 +955,26 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
   return {};
 }
 
+status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes) {
+  auto& m = *p_;
+  if (!m.whole_chunks())
+    return fail(errc::not_supported, "export: the policy is not exportable (options.ipc is none)");
+  impl::block* b = m.a.contains(p) ? m.block_at(p) : nullptr;
+  if (!b || !(b->flags & impl::f_huge) || (b->flags & impl::f_free))
+    return fail(errc::invalid_pointer, "export: pointer is not the start of a live allocation");
+  for (auto& d : m.deferred_frees)
+    if (d.p == p) return fail(errc::invalid_pointer, "export: the allocation's free is pending");
+  ids.clear();
+  for (std::uintptr_t va = b->addr; va < b->addr + b->size;) {
+    std::uint32_t id = m.a.chunk_at(va);
+    ids.push_back(id);
+    va += m.a.get(id).size;
+  }
+  bytes = b->requested;
+  b->flags |= impl::f_exported;
+  return {};
+}
+
 status heap::record_stream(std::uintptr_t p, stream_t s) {
   if (!usable_size(p)) return fail(errc::invalid_pointer, "record_stream: pointer not allocated");
   if (impl::slab* sl = p_->slab_at(p_->a.page_of(p)))  // thread caches must not take this free
@@ -967,6 +1000,35 @@ std::size_t heap::usable_size(std::uintptr_t p) const {
   for (auto& d : m.deferred_frees)
     if (d.p == p) return 0;
   return b->size;
+}
+
+std::size_t heap::requested_size(std::uintptr_t p) const {
+  auto& m = *p_;
+  if (!usable_size(p)) return 0;
+  if (impl::slab* sl = m.slab_at(m.a.page_of(p))) return sl->req[(p - sl->base) / sl->slot];
+  return m.block_at(p)->requested;
+}
+
+std::vector<class_occupancy> heap::occupancy() const {
+  auto& m = *p_;
+  std::vector<class_occupancy> v(m.class_size.size());
+  for (std::size_t c = 0; c < v.size(); ++c) v[c].slot_size = m.class_size[c];
+  // Every slab owns exactly one page: walking the page map visits each once. O(pages), a few
+  // hundred microseconds for a device-sized reservation: a diagnostic, not for the hot path.
+  for (auto& e : m.pages) {
+    impl::slab* s = e.s.load(std::memory_order_acquire);
+    if (!s) continue;
+    auto& o = v[s->cls];
+    ++o.slabs;
+    o.slots += s->nslots;
+    o.used_slots += s->used;
+    for (std::uint32_t i = 0; i < s->nslots; ++i) {
+      auto st = s->state[i].load(std::memory_order_relaxed);
+      if (st == 1 || st == 3) o.live_bytes += s->req[i];
+      if (st == 2) ++o.cached_slots;
+    }
+  }
+  return v;
 }
 
 status heap::trim(std::size_t keep) {

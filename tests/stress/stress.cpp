@@ -33,6 +33,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "fault/pattern.hpp"
 #include "support/fault_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
@@ -65,6 +67,10 @@ std::atomic<std::uint64_t> g_next_id{1};
 std::atomic<std::uint64_t> g_allocs{0}, g_frees{0}, g_cross_thread{0}, g_cross_stream{0}, g_trims{0},
     g_record{0}, g_aligned{0}, g_bytes_verified{0}, g_bytes_filled{0}, g_errors{0}, g_bytes_requested{0};
 std::mutex g_print;
+// Progress (stderr, terminals only): ops done, counted in steps of 1024 per thread so the shared
+// counter costs nothing measurable; workers finished.
+std::atomic<std::uint64_t> g_ops_done{0};
+std::atomic<unsigned> g_workers_done{0};
 
 void fail(const std::string& what) {
   g_errors.fetch_add(1);
@@ -169,8 +175,29 @@ void worker(allocator& a, const config& c, unsigned t, shared_pool& pool) {
     }
     if (t == 0 && c.check_every && i % c.check_every == c.check_every - 1)
       if (std::string why = a.check(); !why.empty()) fail("check() during the run: " + why);
+    if ((i & 1023) == 1023) g_ops_done.fetch_add(1024, std::memory_order_relaxed);
   }
   for (auto& b : live) check_and_free(a, b, rstream());
+  g_workers_done.fetch_add(1);
+}
+
+// One overwritten stderr line (percent, ops/s, ETA) until every worker is done; only on a tty.
+void show_progress(std::uint64_t total, unsigned threads) {
+  if (!isatty(STDERR_FILENO)) return;
+  auto t0 = std::chrono::steady_clock::now();
+  bool drawn = false;
+  while (g_workers_done.load() < threads) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::uint64_t done = std::min(g_ops_done.load(std::memory_order_relaxed), total);
+    double rate = el > 0 ? double(done) / el : 0;
+    unsigned long eta = rate > 0 ? static_cast<unsigned long>(double(total - done) / rate + 0.5) : 0;
+    std::fprintf(stderr, "\r  vmm-stress: %5.1f%% (%llu / %llu ops), %.0f k ops/s, ETA %lu:%02lu\033[K",
+                 100.0 * double(done) / double(total ? total : 1), static_cast<unsigned long long>(done),
+                 static_cast<unsigned long long>(total), rate / 1e3, eta / 60, eta % 60);
+    drawn = true;
+  }
+  if (drawn) std::fprintf(stderr, "\r\033[K");
 }
 
 bool parse_size(const char* s, std::size_t& out) {
@@ -247,6 +274,7 @@ int main(int argc, char** argv) {
       });
     std::vector<std::thread> th;
     for (unsigned t = 0; t < c.threads; ++t) th.emplace_back(worker, std::ref(a), std::cref(c), t, std::ref(pool));
+    show_progress(std::uint64_t{c.threads} * c.ops, c.threads);
     for (auto& x : th) x.join();
     done.store(true);
     if (holder.joinable()) holder.join();

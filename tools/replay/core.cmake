@@ -5,6 +5,7 @@ include_guard(GLOBAL)
 find_package(ZLIB QUIET)
 add_library(vmm_replay_core STATIC
   ${CMAKE_CURRENT_LIST_DIR}/trace.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/timeline.cpp
   ${CMAKE_CURRENT_LIST_DIR}/peers.cpp)
 target_include_directories(vmm_replay_core PUBLIC ${CMAKE_CURRENT_LIST_DIR})
 target_link_libraries(vmm_replay_core PUBLIC vmmalloc)

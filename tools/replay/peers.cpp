@@ -79,6 +79,14 @@ struct device_usage {
     std::uint64_t used = t - f;
     peak = std::max<std::uint64_t>(peak, used > base ? used - base : 0);
   }
+  // In use now, above the start (also raises the peak: it is a sample too).
+  std::optional<std::uint64_t> now() noexcept {
+    std::size_t f = 0, t = 0;
+    if (!valid || !VMM_CUDA_OK(cudaMemGetInfo(&f, &t))) return std::nullopt;
+    std::uint64_t used = t - f, above = used > base ? used - base : 0;
+    peak = std::max(peak, above);
+    return above;
+  }
 };
 }  // namespace
 #endif
@@ -114,6 +122,18 @@ class vmmalloc_peer final : public peer {
 #endif
   }
   bool wants_samples() const override { return device_; }
+  memory_now current() noexcept override {
+    memory_now m;
+    try {
+      auto s = a_.stats();
+      m.mapped = s.physical;  // same measure as report()'s peak_physical
+      m.reserved = s.reserved;
+      m.requested = s.requested;
+    } catch (const std::exception& e) {
+      set_error(e.what());
+    }
+    return m;
+  }
   void sample() noexcept override {
 #ifdef VMM_REPLAY_CUDA
     if (device_) dev_.sample();
@@ -262,13 +282,18 @@ class malloc_peer final : public peer {
   }
   // mallinfo2 walks every arena (microseconds): sampled outside timed regions only.
   bool wants_samples() const override { return true; }
-  void sample() noexcept override {
+  void sample() noexcept override { (void)current(); }
+  memory_now current() noexcept override {
+    memory_now m;
 #if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
     struct mallinfo2 mi = mallinfo2();
     std::uint64_t held = mi.arena + mi.hblkhd;  // sbrk/arena heap + mmapped chunks
-    peak_ = std::max(peak_, held > base_ ? held - base_ : 0);
+    std::uint64_t above = held > base_ ? held - base_ : 0;
+    peak_ = std::max(peak_, above);
     sampled_ = true;
+    m.mapped = above;
 #endif
+    return m;
   }
   // The base is what the process holds before the run (the harness's own vectors, heap kept from
   // an earlier pass after malloc_trim): peaks are counted above it.
@@ -355,6 +380,7 @@ class cuda_malloc_peer final : public peer {
   bool synchronize() noexcept override { return VMM_CUDA_OK(cudaDeviceSynchronize()); }
   bool wants_samples() const override { return true; }
   void sample() noexcept override { usage_.sample(); }
+  memory_now current() noexcept override { return {usage_.now(), std::nullopt, std::nullopt}; }
   void reset_peaks() noexcept override { usage_.start(); }
   memory_report report() override {
     memory_report r;
@@ -412,6 +438,14 @@ class cuda_malloc_async_peer final : public peer {
   bool synchronize() noexcept override { return VMM_CUDA_OK(cudaDeviceSynchronize()); }
   bool wants_samples() const override { return true; }
   void sample() noexcept override { usage_.sample(); }
+  // The pool's reserved memory now: the measure of report()'s ReservedMemHigh. Its VA is not
+  // observable apart from that, so reserved stays unknown.
+  memory_now current() noexcept override {
+    memory_now m;
+    std::uint64_t cur = 0;
+    if (VMM_CUDA_OK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &cur))) m.mapped = cur;
+    return m;
+  }
   void reset_peaks() noexcept override {
     // Writing 0 resets a high-water attribute to the current value.
     std::uint64_t zero = 0;

@@ -30,6 +30,14 @@ struct memory_report {
   std::vector<std::pair<std::string, double>> extra;  // more JSON keys
 };
 
+// What a peer holds right now (vmm-replay --samples calls it after every event of an untimed
+// pass). nullopt = not observable here. Same quantities as memory_report's peaks.
+struct memory_now {
+  std::optional<std::uint64_t> mapped;     // physical bytes held (memory_report::peak_mapped's measure)
+  std::optional<std::uint64_t> reserved;   // virtual address space held
+  std::optional<std::uint64_t> requested;  // requested bytes live as the allocator counts them
+};
+
 class peer {
  public:
   virtual ~peer() = default;
@@ -48,6 +56,8 @@ class peer {
   virtual bool wants_samples() const { return false; }
   virtual void sample() noexcept {}
   virtual void reset_peaks() noexcept {}
+  // Current memory, for per-event timelines. Untimed only: may cost microseconds (cudaMemGetInfo).
+  virtual memory_now current() noexcept { return {}; }
   virtual memory_report report() = 0;
   // Invariant check, "" when fine (vmmalloc). Not thread-safe with concurrent allocations.
   virtual std::string check() const { return {}; }

@@ -2,7 +2,7 @@
 // each, ns per event and how much memory it held against what was live.
 //
 //   vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE] [--check-every N]
-//                    [--warm] [--device N]
+//                    [--warm] [--device N] [--samples N]
 //
 // Method (same for every allocator):
 //  * The whole trace is parsed first (ADDR names -> dense slot ids), so the timed loop is vector
@@ -16,6 +16,11 @@
 //    allocator alike: cudaMallocAsync's pool and vmmalloc's chunks are then already grown.
 //  * Blocks the trace never frees are freed after the timed region; then vmmalloc must report
 //    check() == "" and stats().requested == 0.
+//  * --samples N: after the timed pass, a fresh instance of the allocator replays the trace again,
+//    untimed, reading its memory after every event (peer::current()); at most N samples of live,
+//    mapped and reserved bytes plus each peak go into the JSON ("timeline", see timeline.hpp) for
+//    vmm-plot. The timed numbers never include this pass.
+//  * Progress: one overwritten line on stderr (percent, events/s, ETA), only when stderr is a tty.
 // Exit codes: 0 ok, 1 setup (no driver / device, bad option value), 2 bad usage or malformed
 // trace (with its line number), 3 an allocation or free failed, 4 check() or accounting failed.
 #include <sys/resource.h>
@@ -34,6 +39,7 @@
 #include <vector>
 
 #include "peers.hpp"
+#include "timeline.hpp"
 #include "trace.hpp"
 
 namespace {
@@ -49,13 +55,14 @@ struct cli {
   std::uint64_t check_every = 0;
   bool warm = false;
   int device = 0;
+  std::uint64_t samples = 0;  // 0: no timeline
 };
 
 [[noreturn]] void usage(const char* msg) {
   if (msg && *msg) std::fprintf(stderr, "vmm-replay: %s\n", msg);
   std::fprintf(stderr,
                "usage: vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE]\n"
-               "                        [--check-every N] [--warm] [--device N]\n"
+               "                        [--check-every N] [--warm] [--device N] [--samples N]\n"
                "  TRACE          trace file, plain text or .gz ('a|f ADDR SIZE STREAM' lines)\n"
                "  --backend      vmmalloc's backend: host (memfd, default) or cuda (the GPU)\n"
                "  --allocators   comma list of: vmmalloc, null, malloc%s%s\n"
@@ -63,7 +70,9 @@ struct cli {
                "  --json FILE    write the results as a JSON list\n"
                "  --check-every  run vmmalloc's check() every N events (time excluded)\n"
                "  --warm         replay once untimed before the timed pass (every allocator)\n"
-               "  --device N     CUDA device (default 0)\n",
+               "  --device N     CUDA device (default 0)\n"
+               "  --samples N    add a timeline of live/mapped/reserved bytes (at most N samples + the\n"
+               "                 peaks) per allocator to the JSON, for vmm-plot; from a separate untimed pass\n",
                have_cuda_peers() ? ", cudaMalloc, cudaMallocAsync" : "",
                have_torch_peer() ? ", torch" : "");
   std::exit(2);
@@ -92,12 +101,17 @@ cli parse_cli(int argc, char** argv) {
     else if (a == "--check-every") c.check_every = parse_count(value("--check-every"), "--check-every");
     else if (a == "--device") c.device = static_cast<int>(parse_count(value("--device"), "--device"));
     else if (a == "--warm") c.warm = true;
+    else if (a == "--samples") {
+      c.samples = parse_count(value("--samples"), "--samples");
+      if (c.samples == 0) usage("--samples needs N >= 1");
+    }
     else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
     else if (c.trace_path.empty()) c.trace_path = a;
     else usage(("unexpected argument " + a).c_str());
   }
   if (c.trace_path.empty()) usage("no trace given");
   if (c.backend != "host" && c.backend != "cuda") usage("--backend is host or cuda");
+  if (c.samples && c.json.empty()) usage("--samples writes into the JSON: give --json FILE too");
   if (c.allocators.empty())
     c.allocators = c.backend == "cuda" ? "vmmalloc,cudaMalloc,cudaMallocAsync,null" : "vmmalloc,null";
   return c;
@@ -127,6 +141,44 @@ std::string event_text(const trace& t, std::size_t i) {
   return buf;
 }
 
+// ---- progress ---------------------------------------------------------------------------------
+
+// One overwritten stderr line: percent, events/s (wall clock, pauses included), ETA. Only on a
+// terminal. Redrawn at most 5 times a second; the caller decides how often to offer an update.
+class progress_line {
+ public:
+  progress_line(bool on, std::string label, std::size_t total)
+      : on_(on), label_(std::move(label)), total_(total), start_(clk::now()), last_(start_) {}
+  ~progress_line() { clear(); }
+  void update(std::size_t done) {
+    if (!on_) return;
+    auto now = clk::now();
+    if (done < total_ && now - last_ < std::chrono::milliseconds(200)) return;
+    last_ = now;
+    double el = std::chrono::duration<double>(now - start_).count();
+    double rate = el > 0 ? double(done) / el : 0;
+    char eta[32] = "?";
+    if (rate > 0) {
+      auto left = static_cast<unsigned long>(double(total_ - done) / rate + 0.5);
+      std::snprintf(eta, sizeof eta, "%lu:%02lu", left / 60, left % 60);
+    }
+    std::fprintf(stderr, "\r  %s: %5.1f%% (%zu / %zu events), %.2f M events/s, ETA %s\033[K", label_.c_str(),
+                 100.0 * double(done) / double(total_ ? total_ : 1), done, total_, rate / 1e6, eta);
+    drawn_ = true;
+  }
+  void clear() {
+    if (drawn_) std::fprintf(stderr, "\r\033[K");
+    drawn_ = false;
+  }
+
+ private:
+  bool on_;
+  std::string label_;
+  std::size_t total_;
+  clk::time_point start_, last_;
+  bool drawn_ = false;
+};
+
 // ---- one pass ---------------------------------------------------------------------------------
 
 struct pass_opts {
@@ -142,12 +194,14 @@ struct pass_result {
   std::string failure;
   double seconds = 0, paused = 0;
   std::uint64_t checks = 0;
+  std::string note;  // sampling pass: a series that stopped being observable, and why
 };
 
 pass_result run_pass(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
                      const pass_opts& o) {
   constexpr std::uint64_t progress_every = 1 << 17;
   const std::size_t n = t.events.size();
+  progress_line bar(o.progress, o.label, n);
   const event* ev = t.events.data();
   void** slot = ptr.data();
   void* const* str = streams.data();
@@ -206,8 +260,7 @@ pass_result run_pass(peer& a, const trace& t, const std::vector<void*>& streams,
         break;
       }
     }
-    if (o.progress && (i % progress_every == 0 || i == n))
-      std::fprintf(stderr, "\r  %s: %zu / %zu events (%.0f%%)\033[K", o.label, i, n, 100.0 * double(i) / double(n));
+    if (o.progress && (i % progress_every == 0 || i == n)) bar.update(i);
     r.paused += std::chrono::duration<double>(clk::now() - p0).count();
   }
   if (!r.exit_code && !a.synchronize()) {
@@ -215,7 +268,64 @@ pass_result run_pass(peer& a, const trace& t, const std::vector<void*>& streams,
     r.failure = "synchronize after the replay failed: " + peer::error();
   }
   r.seconds = std::chrono::duration<double>(clk::now() - t0).count() - r.paused;
-  if (o.progress) std::fprintf(stderr, "\r\033[K");
+  bar.clear();
+  return r;
+}
+
+// The sampling pass (--samples): untimed, reads the peer's memory after every event, checks the
+// allocator's own count of requested bytes against the trace at every event (exit 4 if they
+// differ), and cuts the per-event values down to a timeline. Series the peer cannot observe at
+// every event are left out (reported on stderr), never filled in.
+pass_result sample_pass(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
+                        std::size_t max_samples, bool progress, const std::string& label, timeline& out) {
+  const std::size_t n = t.events.size();
+  pass_result r;
+  progress_line bar(progress, label, n);
+  std::vector<std::uint64_t> mapped, reserved;
+  bool has_mapped = true, has_reserved = true;
+  auto t0 = clk::now();
+  for (std::size_t i = 0; i < n; ++i) {
+    const event& e = t.events[i];
+    if (e.kind == op::alloc) {
+      void* p = a.allocate(e.size, streams[e.stream]);
+      if (!p) {
+        r.exit_code = 3;
+        r.failure = "allocation failed at event " + std::to_string(i) + " (" + event_text(t, i) + "): " + peer::error();
+        return r;
+      }
+      ptr[e.id] = p;
+    } else if (!a.deallocate(ptr[e.id], e.size, streams[e.stream])) {
+      r.exit_code = 3;
+      r.failure = "free failed at event " + std::to_string(i) + " (" + event_text(t, i) + "): " + peer::error();
+      return r;
+    }
+    memory_now m = a.current();
+    if (m.requested && *m.requested != t.live_after[i]) {
+      r.exit_code = 4;
+      r.failure = "stats().requested = " + std::to_string(*m.requested) + " after event " + std::to_string(i) +
+                  " (" + event_text(t, i) + "), but the trace has " + std::to_string(t.live_after[i]) + " bytes live";
+      return r;
+    }
+    auto drop = [&](bool& has, std::vector<std::uint64_t>& v, const char* what) {
+      has = false;
+      if (i > 0) r.note += std::string(what) + " not observable after event " + std::to_string(i) + " (" + peer::error() + "), left out; ";
+      v = {};
+    };
+    if (has_mapped && !m.mapped) drop(has_mapped, mapped, "mapped");
+    if (has_reserved && !m.reserved) drop(has_reserved, reserved, "reserved");
+    if (has_mapped) mapped.push_back(*m.mapped);
+    if (has_reserved) reserved.push_back(*m.reserved);
+    if (progress && (i & 0xffff) == 0) bar.update(i);
+  }
+  if (!a.synchronize()) {
+    r.exit_code = 3;
+    r.failure = "synchronize after the sampling pass failed: " + peer::error();
+    return r;
+  }
+  bar.update(n);
+  bar.clear();
+  r.seconds = std::chrono::duration<double>(clk::now() - t0).count();
+  out = make_timeline(t.live_after, mapped, reserved, max_samples);
   return r;
 }
 
@@ -242,6 +352,8 @@ struct row {
   double ns_per_op = 0, seconds = 0;
   std::uint64_t events = 0, checks = 0;
   memory_report mem;
+  std::optional<timeline> tl;  // --samples
+  double sample_seconds = 0;
 };
 
 std::string json_str(const std::string& s) {
@@ -264,6 +376,32 @@ std::string json_num(double v) {
 }
 std::string json_opt(std::optional<std::uint64_t> v) { return v ? json_num(double(*v)) : "null"; }
 
+// "timeline": {...}: the shape vmm-plot reads (documented in README.md).
+void write_timeline(std::ostream& f, const timeline& tl, const row& r, const cli& c) {
+  auto arr = [&](const auto& v) {
+    if (v.empty()) return std::string("null");
+    std::string s = "[";
+    for (std::size_t i = 0; i < v.size(); ++i) (s += i ? "," : "") += std::to_string(v[i]);
+    return s + "]";
+  };
+  auto peak = [](const std::optional<series_peak>& p) {
+    return p ? "{\"event\": " + std::to_string(p->event) + ", \"bytes\": " + std::to_string(p->bytes) + "}"
+             : std::string("null");
+  };
+  f << ",\n   \"timeline\": {\"events\": " << tl.events << ", \"max_samples\": " << c.samples
+    << ", \"samples\": " << tl.event.size() << ", \"pass_seconds\": " << json_num(r.sample_seconds)
+    << ",\n    \"method\": "
+    << json_str("separate untimed pass on a fresh instance after the timed one; each sample is the maximum "
+                "over the events since the previous sample; each series' first peak event is a sample")
+    << ",\n    \"mapped_source\": " << (tl.mapped.empty() ? "null" : json_str(r.mem.mapped_source))
+    << ", \"reserved_source\": "
+    << (tl.reserved.empty() ? "null" : json_str(r.name == "vmmalloc" ? "stats().reserved (VA reserved at open)" : "peer"))
+    << ",\n    \"peaks\": {\"live\": " << peak(tl.peak_live) << ", \"mapped\": " << peak(tl.peak_mapped)
+    << ", \"reserved\": " << peak(tl.peak_reserved) << "},\n    \"event\": " << arr(tl.event)
+    << ",\n    \"live\": " << arr(tl.live) << ",\n    \"mapped\": " << arr(tl.mapped)
+    << ",\n    \"reserved\": " << arr(tl.reserved) << "}";
+}
+
 bool write_json(const std::string& path, const std::vector<row>& rows, const trace& t, const cli& c) {
   std::ofstream f(path);
   if (!f) return false;
@@ -283,6 +421,7 @@ bool write_json(const std::string& path, const std::vector<row>& rows, const tra
       << ", \"seconds\": " << json_num(r.seconds) << ", \"warm\": " << (c.warm ? "true" : "false")
       << ", \"checks\": " << r.checks << ", \"trace\": " << json_str(t.source);
     for (auto& [key, v] : r.mem.extra) f << ", " << json_str(key) << ": " << json_num(v);
+    if (r.tl) write_timeline(f, *r.tl, r, c);
     f << "}" << (k + 1 < rows.size() ? "," : "") << "\n";
   }
   f << "]\n";
@@ -373,6 +512,9 @@ int main(int argc, char** argv) {
   std::printf("  vmmalloc backend: %s; %s; %s\n", c.backend.c_str(),
               c.warm ? "warm (one untimed pass first)" : "cold (no warm-up pass)",
               c.check_every ? ("check() every " + std::to_string(c.check_every) + " events").c_str() : "no checks");
+  if (c.samples)
+    std::printf("  timeline: at most %" PRIu64 " samples + peaks per allocator, from a separate untimed pass\n",
+                c.samples);
   std::fflush(stdout);
 
   // Stream index -> handle. Stream id 0 is the default stream (nullptr) everywhere; others are
@@ -469,6 +611,55 @@ int main(int argc, char** argv) {
                  r.checks ? (", " + std::to_string(r.checks) + " checks passed").c_str() : "");
     rows.push_back(std::move(w));
     a->release_cached();  // the next allocator starts with the memory given back
+
+    if (c.samples) {
+      // A fresh instance, so the sampled pass starts as the timed one did (cold, or after the
+      // same untimed warm-up); the timed instance goes first so the two never coexist.
+      a.reset();
+      std::unique_ptr<peer> b;
+      try {
+        b = make_by_name(name, c);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "vmm-replay: %s: cannot create (sampling pass): %s\n", name.c_str(), e.what());
+        rc = 1;
+        break;
+      }
+      if (c.warm) {
+        pass_opts w2;
+        w2.label = "warm-up (sampling)";
+        w2.progress = o.progress;
+        pass_result wr = run_pass(*b, t, *streams, ptr, w2);
+        if (wr.exit_code || !free_remaining(*b, t, *streams, ptr, why)) {
+          std::fprintf(stderr, "vmm-replay: %s (warm-up before sampling): %s\n", name.c_str(),
+                       wr.exit_code ? wr.failure.c_str() : why.c_str());
+          rc = wr.exit_code ? wr.exit_code : 3;
+          break;
+        }
+      }
+      b->reset_peaks();
+      timeline tl;
+      pass_result sr = sample_pass(*b, t, *streams, ptr, c.samples, o.progress, name + " (sampling)", tl);
+      if (sr.exit_code) {
+        std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), sr.failure.c_str());
+        rc = sr.exit_code;
+        break;
+      }
+      if (!free_remaining(*b, t, *streams, ptr, why)) {
+        std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), why.c_str());
+        rc = 3;
+        break;
+      }
+      if (!sr.note.empty()) std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), sr.note.c_str());
+      std::fprintf(stderr, "vmm-replay: %s: timeline of %zu samples (untimed pass, %.2f s)%s\n", name.c_str(),
+                   tl.event.size(), sr.seconds,
+                   tl.peak_mapped ? (", peak mapped " + mib(double(tl.peak_mapped->bytes)) + " at event " +
+                                     std::to_string(tl.peak_mapped->event))
+                                        .c_str()
+                                  : "");
+      rows.back().tl = std::move(tl);
+      rows.back().sample_seconds = sr.seconds;
+      b->release_cached();
+    }
   }
   destroy_cuda_streams(cuda_streams);
 

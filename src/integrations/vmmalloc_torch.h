@@ -1,0 +1,82 @@
+/* libvmmalloc_torch.so: vmmalloc behind PyTorch's CUDAPluggableAllocator (and CuPy, via ctypes).
+ *
+ * One vmm::allocator per CUDA device, created on first use (thread-safe), stream-ordered, with
+ * access granted to every other device that can reach the owner (peers), because PyTorch's
+ * pluggable path never calls cuMemSetAccess. No link to libtorch or libcuda: the driver is loaded
+ * at run time by vmmalloc, so this header needs no CUDA header either (streams are void*).
+ *
+ * Python: tools/python/vmmalloc_torch.py (enable(), stats(), trim(), reset_peaks(), check()),
+ *         tools/python/vmmalloc_cupy.py (enable()).
+ *
+ * Environment, read when a device's allocator is created (first allocation on that device).
+ * Sizes take a binary suffix: 512M, 8G, 1T, 64KiB; a bad value makes creation fail with a message
+ * naming the variable (the allocation then fails; nothing is guessed):
+ *   VMMALLOC_RESERVATION        virtual range reserved per device (default 2 x device memory)
+ *   VMMALLOC_RELEASE_THRESHOLD  free bytes kept mapped before chunks are released ("max" = keep
+ *                               all, the default)
+ *   VMMALLOC_MEMORY_LIMIT       cap on physical bytes per device (default: none)
+ *   VMMALLOC_MAX_GROWTH         geometric growth stops doubling here (default 8M)
+ *   VMMALLOC_MIN_CHUNK          smallest growth step (default: the granularity, 2 MiB)
+ *   VMMALLOC_THREAD_CACHE       0 or 1 (default 1): per-thread caches of small blocks
+ *   VMMALLOC_PEERS              "auto" (default: every device that can access the owner),
+ *                               "none", or a comma list of device ordinals ("1,3")
+ *   VMMALLOC_TRACE              record every allocation and free (vmm-replay's trace format) to
+ *                               this path; "%d" is replaced by the device ordinal, else devices
+ *                               other than 0 append ".<device>". Written at exit and by
+ *                               vmm_torch_flush_trace()
+ *   VMMALLOC_TORCH_BACKEND      "cuda" (default) or "host": vmmalloc's host backend (host memory,
+ *                               GPU rules, 8 simulated devices), for tests without a GPU
+ */
+#ifndef VMMALLOC_TORCH_H
+#define VMMALLOC_TORCH_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* PyTorch's malloc: a block of `size` bytes on `device`, ordered on `stream` (a cudaStream_t).
+ * size 0 returns NULL (PyTorch never frees a null pointer). On failure it THROWS a C++ exception
+ * (vmm::out_of_memory, a std::bad_alloc, or vmm::error) whose message says why: PyTorch's
+ * pluggable path does not check for NULL, and turns the exception into a Python RuntimeError. */
+void* vmm_torch_malloc(ssize_t size, int device, void* stream);
+/* Same, never throws: NULL on failure, vmm_torch_last_error() says why (ctypes, CuPy). */
+void* vmm_torch_try_malloc(ssize_t size, int device, void* stream);
+/* PyTorch's free. NULL is a no-op. Never throws: a refused free (foreign pointer) is counted in
+ * the stats ("free_failures") and recorded in vmm_torch_last_error(). */
+void vmm_torch_free(void* ptr, ssize_t size, int device, void* stream);
+
+/* Creates the allocator of `device` now (else the first allocation does). 0, or -1 + last error. */
+int vmm_torch_init(int device);
+/* 1 when `device` has an allocator, 0 when not (yet). */
+int vmm_torch_initialized(int device);
+
+/* Stats of `device` as uint64 values in the order of vmm_torch_stat_names() (comma separated).
+ * Writes min(n, count) values; returns count, 0 when the device has no allocator yet, -1 on a
+ * bad argument. */
+int vmm_torch_stats(int device, uint64_t* out, int n);
+const char* vmm_torch_stat_names(void);
+
+/* device -1 = every device that has an allocator. 0, or -1 + last error. */
+int vmm_torch_trim(int device);
+int vmm_torch_reset_peaks(int device);
+/* Walks all metadata: 0 = every invariant holds, 1 = broken (last error says what), -1 = error. */
+int vmm_torch_check(int device);
+
+/* Writes buffered trace events (VMMALLOC_TRACE) of every device now. 0, or -1 + last error. */
+int vmm_torch_flush_trace(void);
+
+/* The options in effect for `device` ("" when it has no allocator), for logs. Valid until the next
+ * call of this function on the same thread. */
+const char* vmm_torch_config(int device);
+/* The last failure of any call above, from any thread ("" when none). Valid until the next call
+ * of this function on the same thread. */
+const char* vmm_torch_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* VMMALLOC_TORCH_H */

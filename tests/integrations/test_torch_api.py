@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""vmmalloc as PyTorch's allocator: tensors, streams, out of memory, stats, trim, peers (GPU).
+
+Exit 0: passed. 77: no torch or no CUDA device. 1: a failure (each check is printed).
+Needs libvmmalloc_torch.so: $VMMALLOC_TORCH_LIB (set by ctest) or a build next to the sources.
+"""
+
+import gc
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
+
+failures = []
+
+
+def expect(cond, what):
+    print(("ok    " if cond else "FAIL  ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+def main():
+    try:
+        import torch
+    except Exception as e:
+        print("test_torch_api: skipped: torch not importable (%s)" % e)
+        return 77
+    if not torch.cuda.is_available():
+        print("test_torch_api: skipped: no CUDA device")
+        return 77
+    import vmmalloc_torch as vt
+
+    print("library:", vt.enable())
+    expect(vt.enabled(), "enabled")
+    print("config:", vt.config(0))
+    s0 = vt.stats(0)
+    expect(s0 is not None and s0["allocs"] == 0, "device 0's allocator exists, nothing allocated yet")
+
+    # Tensors of many sizes: values right, blocks counted, all back after del.
+    sizes = [1, 100, 4096, 65536, 1 << 20, 5 << 20, 64 << 20, 300 << 20]
+    # int32: exact sums (float32 sums of 300 Mi elements would round)
+    ts = [torch.full((n,), i + 1, dtype=torch.int32, device="cuda") for i, n in enumerate(sizes)]
+    expect(all(t.sum().item() == (i + 1) * n for i, (t, n) in enumerate(zip(ts, sizes))),
+           "tensors of 1 .. 300 Mi elements hold their values")
+    s = vt.stats(0)
+    want = sum(4 * n for n in sizes)
+    expect(s["live"] >= len(sizes) and s["requested"] >= want,
+           "stats: %d live, %d requested bytes >= %d" % (s["live"], s["requested"], want))
+    expect(s["peak_mapped"] >= want and s["mapped"] >= want, "mapped %d >= the tensors' bytes" % s["mapped"])
+    live_before = s["live"]
+    del ts
+    gc.collect()
+    torch.cuda.synchronize()
+    s = vt.stats(0)
+    expect(s["live"] <= live_before - len(sizes), "del: %d live -> %d" % (live_before, s["live"]))
+
+    # Empty tensors: size-0 requests never reach vmmalloc as failures.
+    e = torch.empty(0, device="cuda")
+    expect(e.numel() == 0 and vt.stats(0)["malloc_failures"] == 0, "empty tensor")
+
+    # A side stream: allocated there, freed there, reused safely by the default stream.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = torch.ones(1 << 22, dtype=torch.float64, device="cuda") * 3
+        z = (y * 2).sum()
+    side.synchronize()
+    expect(z.item() == 6.0 * (1 << 22), "side-stream computation")
+    del y, z
+    w = torch.arange(1 << 22, device="cuda", dtype=torch.float64)
+    expect(w.sum().item() == float((1 << 22) * ((1 << 22) - 1) // 2), "default stream after side-stream frees")
+    del w
+
+    # Out of memory: a clear error (RuntimeError, or torch.OutOfMemoryError if PyTorch maps it),
+    # the reason in last_error(), and the allocator keeps serving.
+    try:
+        torch.empty(1 << 48, dtype=torch.uint8, device="cuda")
+        expect(False, "a 256 TiB tensor raises")
+    except (RuntimeError, MemoryError) as ex:
+        msg = str(ex)
+        expect("vmmalloc" in msg and "cannot allocate" in msg, "256 TiB raises %s: %s" % (type(ex).__name__, msg[:200]))
+    expect("cannot allocate" in vt.last_error(), "last_error(): " + vt.last_error()[:200])
+    expect(vt.stats(0)["malloc_failures"] == 1, "the failure is counted")
+    a = torch.randn(1 << 20, device="cuda")
+    expect(torch.isfinite(a).all().item(), "allocations work after the failure")
+    del a
+
+    # trim returns free chunks; peaks reset; invariants hold.
+    gc.collect()
+    torch.cuda.synchronize()
+    before = vt.stats(0)
+    vt.trim()
+    after = vt.stats(0)
+    expect(after["free_chunk_bytes"] == 0 and after["idle"] == 0 and
+           before["mapped"] - after["mapped"] >= before["free_chunk_bytes"],
+           "trim: mapped %d -> %d, free chunks %d -> 0, idle %d -> %d" % (
+               before["mapped"], after["mapped"], before["free_chunk_bytes"], before["idle"], after["idle"]))
+    vt.reset_peaks()
+    expect(vt.stats(0)["peak_mapped"] == vt.stats(0)["mapped"], "reset_peaks")
+    expect(vt.check() == "", "check()")
+
+    # Peers: memory of device 1 read by device 0's copy engine needs the access vmmalloc grants.
+    n = torch.cuda.device_count()
+    if n >= 2:
+        can = torch.cuda.can_device_access_peer(0, 1)  # may device 0 access device 1's memory
+        want_peers = sum(torch.cuda.can_device_access_peer(p, 1) for p in range(n) if p != 1)
+        x1 = torch.arange(1 << 22, device="cuda:1", dtype=torch.float32)
+        s1 = vt.stats(1)
+        expect(s1 is not None and s1["live"] >= 1, "device 1 has its own allocator: " + vt.config(1))
+        expect(s1["peers"] == want_peers, "device 1 grants access to %d peer(s) (want %d)" % (s1["peers"], want_peers))
+        x0 = x1.to("cuda:0")
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        expect(torch.equal(x0.cpu(), x1.cpu()), "cuda:1 -> cuda:0 copy (peer access %s)" % can)
+        del x0, x1
+        expect(vt.check() == "", "check() on both devices")
+    else:
+        print("skip  peer checks: one GPU")
+
+    print()
+    if failures:
+        print("test_torch_api: %d FAILED" % len(failures))
+        return 1
+    print("test_torch_api: passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""libvmmalloc_torch.so through tools/python/vmmalloc_torch.py on vmmalloc's host backend.
+
+Runs in CI without a GPU or torch: the ctypes bindings, the stats dict, trim / reset_peaks /
+check, the last error, environment options (good and bad), peers, VMMALLOC_TRACE. The memory is
+real host memory (the host backend), so blocks are written and read back.
+Needs VMMALLOC_TORCH_LIB (set by ctest) or a build next to the sources.
+"""
+
+import ctypes
+import os
+import sys
+import tempfile
+
+os.environ["VMMALLOC_TORCH_BACKEND"] = "host"  # read when each device's allocator is created
+for k in ("VMMALLOC_RESERVATION", "VMMALLOC_RELEASE_THRESHOLD", "VMMALLOC_MEMORY_LIMIT",
+          "VMMALLOC_PEERS", "VMMALLOC_TRACE", "VMMALLOC_MAX_GROWTH", "VMMALLOC_MIN_CHUNK"):
+    os.environ.pop(k, None)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
+import vmmalloc_torch as vt  # noqa: E402
+
+MiB = 1 << 20
+failures = []
+
+
+def expect(cond, what):
+    print(("ok    " if cond else "FAIL  ") + what)
+    if not cond:
+        failures.append(what)
+
+
+lib = vt.load()
+print("library:", vt.library_path())
+
+# --- device 0: defaults, peers, stats, write/read, trim, peaks ------------------------------------
+expect(vt.stats(0) is None, "no stats before the first allocation")
+p = lib.vmm_torch_try_malloc(3 * MiB, 0, None)
+expect(bool(p), "3 MiB allocated on device 0")
+ctypes.memset(p, 0xA5, 3 * MiB)
+expect(ctypes.string_at(p + 3 * MiB - 16, 16) == b"\xa5" * 16, "the block is writable and readable")
+s = vt.stats(0)
+expect(s["allocs"] == 1 and s["live"] == 1, "one allocation live: %d/%d" % (s["allocs"], s["live"]))
+expect(s["requested"] == 3 * MiB, "requested == 3 MiB (%d)" % s["requested"])
+expect(s["mapped"] >= 3 * MiB and s["peak_mapped"] >= s["mapped"], "mapped %d >= 3 MiB" % s["mapped"])
+expect(s["granularity"] == 2 * MiB, "granularity 2 MiB")
+expect(s["peers"] == 7, "auto peers: the 7 other simulated devices (%d)" % s["peers"])
+cfg = vt.config(0)
+expect("backend=host" in cfg and "peers=[1,2,3,4,5,6,7]" in cfg, "config: " + cfg)
+q = lib.vmm_torch_try_malloc(40 * MiB, 0, None)
+expect(bool(q), "40 MiB allocated on device 0")
+peak = vt.stats(0)["peak_mapped"]
+lib.vmm_torch_free(q, 40 * MiB, 0, None)
+lib.vmm_torch_free(p, 3 * MiB, 0, None)
+s = vt.stats(0)
+expect(s["live"] == 0 and s["frees"] == 2 and s["requested"] == 0, "both freed")
+expect(vt.check(0) == "", "check() holds after the frees")
+vt.trim(0)
+s = vt.stats(0)
+expect(s["mapped"] == 0 and s["peak_mapped"] == peak, "trim unmaps all; the peak stays (%d)" % peak)
+vt.reset_peaks()
+expect(vt.stats(0)["peak_mapped"] == 0, "reset_peaks: peak back to current (0)")
+
+# --- bad input: size 0, negative size, foreign pointer, bad device ------------------------------
+expect(lib.vmm_torch_try_malloc(0, 0, None) is None, "size 0 -> NULL")
+expect(vt.stats(0)["malloc_failures"] == 0, "size 0 is not a failure")
+expect(lib.vmm_torch_try_malloc(-5, 0, None) is None and "negative size" in vt.last_error(),
+       "negative size -> NULL: " + vt.last_error())
+lib.vmm_torch_free(0x7000000, 64, 0, None)
+expect(vt.stats(0)["free_failures"] == 1 and "free on device 0" in vt.last_error(),
+       "foreign pointer: counted, " + vt.last_error())
+expect(vt.check(0) == "", "check() still holds after the refused free")
+expect(lib.vmm_torch_try_malloc(64, 300, None) is None and "out of range" in vt.last_error(),
+       "device 300 -> NULL: " + vt.last_error())
+try:
+    vt.trim(3)  # no allocator there
+    expect(False, "trim(3) without an allocator raises")
+except RuntimeError as e:
+    expect("has no allocator" in str(e), "trim(3) without an allocator raises: %s" % e)
+
+# --- environment: memory limit (device 1), bad values (device 2), peers (devices 3, 4) -------------
+os.environ["VMMALLOC_MEMORY_LIMIT"] = "8M"
+os.environ["VMMALLOC_RELEASE_THRESHOLD"] = "max"
+expect(lib.vmm_torch_init(1) == 0, "device 1 created with an 8 MiB limit")
+del os.environ["VMMALLOC_MEMORY_LIMIT"], os.environ["VMMALLOC_RELEASE_THRESHOLD"]
+expect("memory_limit=8388608" in vt.config(1) and "release_threshold=max" in vt.config(1), vt.config(1))
+expect(lib.vmm_torch_try_malloc(32 * MiB, 1, None) is None, "32 MiB past the 8 MiB limit -> NULL")
+err = vt.last_error()
+expect("cannot allocate 32.00 MiB on device 1" in err, "the reason: " + err)
+expect(vt.stats(1)["malloc_failures"] == 1, "the failure is counted")
+r = lib.vmm_torch_try_malloc(MiB, 1, None)
+expect(bool(r), "1 MiB still fits after the failure")
+lib.vmm_torch_free(r, MiB, 1, None)
+
+for var, val in (("VMMALLOC_RESERVATION", "12Q"), ("VMMALLOC_MAX_GROWTH", "-3"),
+                 ("VMMALLOC_PEERS", "1,x"), ("VMMALLOC_THREAD_CACHE", "maybe"),
+                 ("VMMALLOC_TORCH_BACKEND", "opencl")):
+    old = os.environ.get(var)
+    os.environ[var] = val
+    rc = lib.vmm_torch_init(2)
+    expect(rc == -1 and var in vt.last_error() and lib.vmm_torch_initialized(2) == 0,
+           "%s=%s refused: %s" % (var, val, vt.last_error()))
+    if old is None:
+        del os.environ[var]
+    else:
+        os.environ[var] = old
+os.environ["VMMALLOC_RESERVATION"] = "4G"
+expect(lib.vmm_torch_init(2) == 0 and vt.stats(2)["reserved"] == 4 << 30,
+       "after the bad values, device 2 is created with a 4 GiB reservation")
+del os.environ["VMMALLOC_RESERVATION"]
+
+os.environ["VMMALLOC_PEERS"] = "9"
+expect(lib.vmm_torch_init(3) == -1 and "cannot access" in vt.last_error(),
+       "VMMALLOC_PEERS=9 (no such device) refused: " + vt.last_error())
+os.environ["VMMALLOC_PEERS"] = "0,5"
+expect(lib.vmm_torch_init(3) == 0 and vt.stats(3)["peers"] == 2 and "peers=[0,5]" in vt.config(3),
+       "VMMALLOC_PEERS=0,5: " + vt.config(3))
+os.environ["VMMALLOC_PEERS"] = "none"
+expect(lib.vmm_torch_init(4) == 0 and vt.stats(4)["peers"] == 0, "VMMALLOC_PEERS=none: no peers")
+del os.environ["VMMALLOC_PEERS"]
+
+# --- VMMALLOC_TRACE (device 5): one file per device, written by flush_trace -----------------------
+with tempfile.TemporaryDirectory() as d:
+    os.environ["VMMALLOC_TRACE"] = os.path.join(d, "trace-%d.txt")
+    a = [lib.vmm_torch_try_malloc(n, 5, None) for n in (1000, 70000, 5 * MiB)]
+    del os.environ["VMMALLOC_TRACE"]
+    expect(all(a), "three allocations on device 5 with tracing on")
+    for x in a:
+        lib.vmm_torch_free(x, 0, 5, None)
+    vt.flush_trace()
+    path = os.path.join(d, "trace-5.txt")
+    text = open(path).read() if os.path.exists(path) else ""
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    kinds = [ln.split()[0] for ln in lines]
+    expect(kinds.count("a") == 3 and kinds.count("f") == 3,
+           "trace-5.txt holds 3 allocations and 3 frees (%d lines)" % len(lines))
+    expect(vt.stats(5)["traced_events"] == 6, "traced_events == 6")
+
+expect(vt.check() == "", "check() over every device")
+print()
+if failures:
+    print("%d FAILED" % len(failures))
+    sys.exit(1)
+print("all passed")

@@ -6,10 +6,14 @@
 // Peers: vmmalloc_host and malloc always; vmmalloc_cuda, cudaMalloc, cudaMallocAsync when a device
 // answers at run time. Each peer is one shared instance (created on first use) so threads contend
 // on it exactly as an application's threads would.
+#include <unistd.h>
+
+#include <cstdio>
 #include <map>
 #include <mutex>
 
 #include "bench_common.hpp"
+#include "vmmalloc/vmmalloc.hpp"
 
 namespace {
 
@@ -60,6 +64,36 @@ void bm_alloc_free(benchmark::State& st, const peer_kind* k) {
   st.SetItemsProcessed(st.iterations());
 }
 
+// Trace recording's cost: the same warm pair on two host-backend allocators, one recording
+// every event to a file (options.trace_path), one not. range(1): 0 off, 1 on.
+std::string g_trace_file;
+std::unique_ptr<vmm::allocator> g_traced[2];
+std::once_flag g_traced_once;
+
+void bm_trace(benchmark::State& st) {
+  std::call_once(g_traced_once, [] {
+    char tmpl[] = "/tmp/vmm-bench-trace-XXXXXX";
+    int fd = mkstemp(tmpl);
+    if (fd >= 0) close(fd);
+    g_trace_file = tmpl;
+    vmm::options o;
+    o.reservation_size = std::size_t{8} << 30;
+    g_traced[0] = std::make_unique<vmm::allocator>(vmm::allocator::host(o));
+    o.trace_path = g_trace_file;
+    g_traced[1] = std::make_unique<vmm::allocator>(vmm::allocator::host(o));
+  });
+  vmm::allocator& a = *g_traced[st.range(1)];
+  const std::size_t n = static_cast<std::size_t>(st.range(0));
+  a.deallocate(a.allocate(n));
+  for (auto _ : st) {
+    void* p = a.allocate(n);
+    benchmark::DoNotOptimize(p);
+    a.deallocate(p);
+  }
+  st.SetItemsProcessed(st.iterations());
+  st.SetLabel(st.range(1) ? "trace on" : "trace off");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -71,8 +105,16 @@ int main(int argc, char** argv) {
     for (auto s : sizes) b->Arg(s);
     b->ArgName("bytes")->ThreadRange(1, 16)->UseRealTime();
   }
+  benchmark::RegisterBenchmark("trace_overhead/vmmalloc_host", bm_trace)
+      ->ArgsProduct({{256, 1 << 20}, {0, 1}})
+      ->ArgNames({"bytes", "trace"})
+      ->ThreadRange(1, 4)
+      ->UseRealTime();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
+  g_traced[0].reset();
+  g_traced[1].reset();
+  if (!g_trace_file.empty()) std::remove(g_trace_file.c_str());
   g_shared.clear();  // CUDA peers go before cudart's own teardown
   return 0;
 }

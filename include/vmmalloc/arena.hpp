@@ -46,6 +46,9 @@ struct options {
   // 32 MiB -> 1.042, 560 calls. 8 MiB keeps both the footprint and the driver time low.
   std::size_t max_growth = std::size_t{8} << 20;
   std::size_t release_threshold = std::numeric_limits<std::size_t>::max();  // free bytes kept mapped
+  // Chunks in multiples of the driver's recommended granularity instead of its minimum (what NCCL
+  // uses for buffers it registers; equal to the minimum, 2 MiB, on H100/H200).
+  bool recommended_granularity = false;
   bool stitch_on_grow = true;   // before creating memory, unmap wholly free chunks and reuse them
   std::size_t alignment = 256;  // default alignment (cudaMalloc's guarantee, CCCL assumes it)
   std::size_t small_max = std::size_t{64} << 10;   // <= this: size classes in slabs
@@ -73,6 +76,7 @@ struct arena_stats {
   std::size_t chunks = 0;
   std::uint64_t stitched = 0;          // chunks mapped from idle handles (no create)
   std::uint64_t compression_fallbacks = 0;
+  std::size_t compressed = 0;          // mapped bytes that the driver made compressible
   std::uint64_t ipc_fallbacks = 0;     // fabric asked, POSIX fd used (not supported / not permitted)
   std::uint64_t access_changes = 0;    // grant/revoke calls that changed the access table
   driver_counts calls;
@@ -192,6 +196,7 @@ class arena {
   std::multimap<std::size_t, mem_handle> idle_;      // created, unmapped handles by size
   std::uint32_t lru_head_ = no_chunk, lru_tail_ = no_chunk;
 
+  std::size_t compressed_bytes_ = 0;  // mapped bytes the driver granted compression for
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
   std::size_t peak_mapped_ = 0, peak_physical_ = 0;
   std::uint64_t stitched_ = 0, compression_fallbacks_ = 0, ipc_fallbacks_ = 0, access_changes_ = 0;

@@ -37,7 +37,10 @@ status arena::open() {
   // Granularity: the largest among the devices involved (owner and peers).
   auto g = b_->granularity(props_);
   if (!g.ok()) return g.st;
-  gran_ = g.value.minimum;
+  auto pick = [&](const granularity_info& gi) {
+    return opt_.recommended_granularity && gi.recommended ? gi.recommended : gi.minimum;
+  };
+  gran_ = pick(g.value);
   for (auto& p : opt_.peers) {
     if (p.device == opt_.device) continue;
     if (!b_->can_access_peer(p.device, opt_.device))
@@ -46,7 +49,7 @@ status arena::open() {
     pp.id = p.device;
     auto pg = b_->granularity(pp);
     if (!pg.ok()) return pg.st;
-    gran_ = std::max(gran_, pg.value.minimum);
+    gran_ = std::max(gran_, pick(pg.value));
   }
   if (gran_ == 0 || (gran_ & (gran_ - 1))) return fail(errc::invalid_value, "arena", "bad granularity");
   gran_shift_ = static_cast<unsigned>(__builtin_ctzll(gran_));
@@ -251,8 +254,15 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       }
       return rollback(st);
     }
+    // What the driver granted (compression is a hint): read back once per mapped chunk, only
+    // when compression was asked for.
+    bool compressed = false;
+    if (props_.compressible) {
+      auto q = b_->query(h);
+      compressed = q.ok() && q.value.compressible;
+    }
     auto id = new_chunk_slot();
-    chunks_[id] = chunk{va + off, hsize, h, 0, 0, no_chunk, no_chunk, owner, props_.compressible};
+    chunks_[id] = chunk{va + off, hsize, h, 0, 0, no_chunk, no_chunk, owner, compressed};
     done.push_back({va + off, hsize, h, from_idle, id});
     if (from_idle) ++stitched_;
     off += hsize;
@@ -265,6 +275,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   for (auto& p : done) {
     for (std::size_t pg = page_of(p.va), e = pg + p.size / gran_; pg < e; ++pg) page_map_[pg] = p.id;
     mapped_ += p.size;
+    if (chunks_[p.id].compressed) compressed_bytes_ += p.size;
     ++chunk_count_;
     lru_push(p.id);  // a new chunk holds no block yet; the heap's add_used takes it off the list
   }
@@ -362,6 +373,7 @@ status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
   for (std::size_t pg = page_of(c.va), e = pg + c.size / gran_; pg < e; ++pg) page_map_[pg] = no_chunk;
   give_hole(c.va, c.size);
   mapped_ -= c.size;
+  if (c.compressed) compressed_bytes_ -= c.size;
   --chunk_count_;
   // The unmap happened: from here on the chunk is gone whatever release() says.
   mem_handle h = c.handle;
@@ -453,6 +465,7 @@ arena_stats arena::stats() const {
   s.stitched = stitched_;
   s.compression_fallbacks = compression_fallbacks_;
   s.ipc_fallbacks = ipc_fallbacks_;
+  s.compressed = compressed_bytes_;
   s.access_changes = access_changes_;
   s.calls = calls_;
   return s;

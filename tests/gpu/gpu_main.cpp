@@ -7,6 +7,7 @@
 //   --stress-max=BYTES   VMM_GPU_STRESS_MAX_BYTES largest stress allocation (64 MiB)
 //   VMM_GPU_SKIP_MEMINFO=1       report cudaMemGetInfo comparisons instead of asserting them
 //   VMM_GPU_MEMINFO_SLACK_MIB=N  tolerance of those comparisons (8 MiB)
+//   VMM_GPU_MIN_DEVICES=N        exit 77 unless at least N devices are present
 //   VMM_GPU_SPIN_MS=N            how long the stream-order cases keep a stream busy (50 ms)
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -85,6 +86,15 @@ int main(int argc, char** argv) {
       std::printf("FAIL: the CUDA runtime sees a device but vmmalloc's CUDA backend failed: %s\n",
                   backend_message.c_str());
       return 1;
+    }
+    // VMM_GPU_MIN_DEVICES=N: a program (or one ctest entry) that needs N devices skips with 77
+    // on a machine with fewer, so a one-GPU run shows it as skipped, not passed.
+    if (const char* need = std::getenv("VMM_GPU_MIN_DEVICES")) {
+      const int n = std::atoi(need), have = gpu::device_count();
+      if (have < n) {
+        std::printf("SKIP (exit 77): needs %d CUDA devices, this machine has %d\n", n, have);
+        return kSkip;
+      }
     }
     gpu::init();
     std::printf("GPU: %s\n", gpu::describe_device().c_str());

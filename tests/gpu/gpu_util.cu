@@ -1,6 +1,8 @@
 // Kernels and host wrappers of the GPU tests; see gpu_util.cuh.
 #include "gpu_util.cuh"
 
+#include <cuda.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
@@ -73,6 +75,12 @@ __global__ void verify_kernel(const unsigned char* p, std::size_t n, std::uint64
     }
   }
   if (bad) atomicAdd(mismatches, bad);
+}
+
+__global__ void copy_kernel(std::uint64_t* dst, const std::uint64_t* src, std::size_t words) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t w = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words; w += stride)
+    dst[w] = src[w];
 }
 
 unsigned grid_for(std::size_t n, std::size_t max_blocks) {
@@ -260,5 +268,46 @@ std::uint64_t env_u64(const char* name, std::uint64_t fallback) {
 }
 
 bool skip_meminfo_checks() { return env_u64("VMM_GPU_SKIP_MEMINFO", 0) != 0; }
+
+void copy_words(void* dst, const void* src, std::size_t n, cudaStream_t s) {
+  if (n % 8) {
+    std::fprintf(stderr, "gpu::copy_words: n (%zu) is not a multiple of 8\n", n);
+    std::abort();
+  }
+  copy_kernel<<<grid_for(n, 1024), kThreads, 0, s>>>(static_cast<std::uint64_t*>(dst),
+                                                     static_cast<const std::uint64_t*>(src), n / 8);
+  GPU_CHECK_LAUNCH("copy_kernel");
+  GPU_CHECK(cudaStreamSynchronize(s));
+}
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+unsigned long long mem_access_flags(const void* p, int device) {
+  using fn_t = CUresult (*)(unsigned long long*, const CUmemLocation*, CUdeviceptr);
+  static fn_t fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    GPU_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAccess", &f, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || !f) {
+      std::fprintf(stderr, "gpu::mem_access_flags: cuMemGetAccess not found\n");
+      std::abort();
+    }
+    return reinterpret_cast<fn_t>(f);
+  }();
+  CUmemLocation loc{};
+  loc.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  loc.id = device;
+  unsigned long long flags = 0;
+  CUresult r = fn(&flags, &loc, reinterpret_cast<CUdeviceptr>(p));
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuMemGetAccess(device %d) failed: %d\n", device, static_cast<int>(r));
+    std::abort();
+  }
+  return flags;
+}
 
 }  // namespace gpu

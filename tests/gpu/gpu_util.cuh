@@ -65,6 +65,14 @@ std::uint64_t verify(const void* p, std::size_t n, std::uint64_t seed, cudaStrea
 // global timer), then once more; few blocks, so other streams' kernels run beside it. Async on s.
 void spin_fill(void* p, std::size_t n, std::uint64_t seed, std::uint64_t ns, cudaStream_t s);
 
+// Copies n bytes (a multiple of 8) with a kernel on the CURRENT device, then synchronises s:
+// the kernel itself reads src and writes dst (peer-access tests).
+void copy_words(void* dst, const void* src, std::size_t n, cudaStream_t s = nullptr);
+// Devices the runtime sees (0 on error).
+int device_count();
+// cuMemGetAccess for `device` at p (CU_MEM_ACCESS_FLAGS_PROT_NONE 0, READ 1, READWRITE 3).
+unsigned long long mem_access_flags(const void* p, int device);
+
 // cudaMemGetInfo; aborts on failure.
 void device_memory(std::size_t& free, std::size_t& total);
 

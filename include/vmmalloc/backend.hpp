@@ -78,8 +78,12 @@ struct chunk_props {
   friend bool operator==(const chunk_props&, const chunk_props&) = default;
 };
 
+// access_desc::device value naming the CPU: host_numa chunks are reachable from the CPU only
+// after an access entry for the host (CU_MEM_LOCATION_TYPE_HOST_NUMA) is set.
+inline constexpr int cpu_device = -1;
+
 struct access_desc {
-  int device = 0;   // device ordinal (host backend: simulated id)
+  int device = 0;   // device ordinal (host backend: simulated id), or cpu_device
   access_mode mode = access_mode::read_write;
 };
 

@@ -57,6 +57,8 @@ status arena::open() {
   opt_.min_chunk = round_up(opt_.min_chunk, gran_);
 
   access_.push_back({opt_.device, access_mode::read_write});
+  // Pinned host memory (host_numa) is reachable from the CPU only once the host is granted too.
+  if (opt_.location == location_kind::host_numa) access_.push_back({cpu_device, access_mode::read_write});
   for (auto& p : opt_.peers)
     if (p.device != opt_.device) access_.push_back(p);
 

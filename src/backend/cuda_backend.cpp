@@ -455,8 +455,13 @@ status cuda_backend::set_access(std::uintptr_t va, std::size_t size,
   }
   for (std::size_t i = 0; i < descs.size(); ++i) {
     a[i] = CUmemAccessDesc{};
-    a[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    a[i].location.id = descs[i].device;
+    if (descs[i].device == cpu_device) {  // host_numa chunks: the CPU's access (id ignored)
+      a[i].location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+      a[i].location.id = 0;
+    } else {
+      a[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      a[i].location.id = descs[i].device;
+    }
     a[i].flags = access_flags(descs[i].mode);
   }
   ctx_scope c(p_->ctx);

@@ -227,8 +227,9 @@ status host_backend::unmap(std::uintptr_t va, std::size_t size) {
 status host_backend::set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc> acc) {
   std::lock_guard g(p_->mu);
   if (size == 0 || !p_->aligned(va) || !p_->aligned(size)) return errno_status(EINVAL, "mprotect");
-  for (auto& a : acc)
-    if (a.device < 0 || a.device >= p_->opt.device_count) return errno_status(EINVAL, "mprotect");
+  for (auto& a : acc)  // cpu_device: host memory is the CPU's anyway (accepted, nothing to do)
+    if (a.device != cpu_device && (a.device < 0 || a.device >= p_->opt.device_count))
+      return errno_status(EINVAL, "mprotect");
   // Like cuMemSetAccess, the range must be fully covered by mappings (it may span several).
   std::uintptr_t cur = va;
   auto it = p_->mappings.upper_bound(va);
@@ -247,7 +248,8 @@ status host_backend::set_access(std::uintptr_t va, std::size_t size, std::span<c
       return errno_status(errno, "mprotect");
   }
   for (auto m = first; m != it; ++m)
-    for (auto& a : acc) m->second.access[a.device] = a.mode;
+    for (auto& a : acc)
+      if (a.device != cpu_device) m->second.access[a.device] = a.mode;
   return {};
 }
 

@@ -525,6 +525,7 @@ allocator_stats allocator::stats() const {
   s.stitched = a.stitched;
   s.compression_fallbacks = a.compression_fallbacks;
   s.ipc_fallbacks = a.ipc_fallbacks;
+  s.compressed = a.compressed;
   s.access_changes = a.access_changes;
   s.exported = p_->exported;
   s.exported_released = h.exported_released;

@@ -1,1 +1,658 @@
-// kv_cache: see include/vmmalloc/kv_cache.hpp (being written)
+// kv_cache: one reservation, per-(layer, K|V) buffers, pages mapped per sequence, a handle pool and
+// an optional map-ahead thread. See kv_cache.hpp for the layout and the contract.
+#include "vmmalloc/kv_cache.hpp"
+
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace vmm {
+
+namespace {
+
+constexpr std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1) / g * g; }
+
+status fail(errc k, const char* name) { return {k, 0, name, "kv_cache"}; }
+
+[[noreturn]] void bad(const char* name, const std::string& what) {
+  throw error(fail(errc::invalid_value, name), "vmm::kv_cache" + what);
+}
+
+// Backend calls of one operation: attempts (retries included) and refusals.
+struct calls {
+  std::uint64_t n = 0, failures = 0;
+  template <class F>
+  status once(F&& f) {
+    ++n;
+    status s = f();
+    if (!s.ok()) ++failures;
+    return s;
+  }
+  // Once more if the driver refused (returning memory must not leak on one refusal).
+  template <class F>
+  status twice(F&& f) {
+    status s = once(f);
+    return s.ok() ? s : once(f);
+  }
+};
+
+struct stray {
+  std::uintptr_t va = 0;
+  mem_handle h = 0;
+  bool mapped = false;  // the mapping still has to be undone before the release
+};
+
+}  // namespace
+
+struct kv_cache::impl {
+  std::unique_ptr<backend_iface> b;
+  kv_cache_config cfg;
+  chunk_props props;
+  std::vector<access_desc> access;  // owner + peers: one set_access per buffer per mapping round
+  std::size_t gran = 0, T = 0, P = 0, S = 0, B = 0, nbuf = 0, maxp = 0, reserved = 0;
+  std::uintptr_t base = 0;
+
+  struct slot {
+    bool open = false;
+    bool busy = false;          // the map-ahead thread is mapping it (lock released)
+    bool ahead_failed = false;  // the thread's last job here failed: not retried until things change
+    std::size_t tokens = 0, mapped = 0;  // mapped: pages per buffer, a prefix [0, mapped)
+    std::vector<mem_handle> h;           // [buf * maxp + page]
+  };
+  std::vector<slot> slots;
+  std::vector<mem_handle> pool;  // created, unmapped
+  std::vector<stray> strays;     // refused rollback / unmap work, retried before the next mapping
+
+  mutable std::mutex mu;
+  std::condition_variable cv;  // state changes: work for the thread, a slot no longer busy, idle
+  bool stop = false;
+  std::thread worker;
+
+  kv_cache_stats st;  // counters; the current-state fields are computed by stats()
+  std::size_t open_count = 0, groups_mapped = 0, tokens_used = 0;
+
+  std::uintptr_t va_of(std::size_t buf, std::size_t s, std::size_t p) const {
+    return base + buf * B + s * S + p * P;
+  }
+  std::size_t pages_for(std::size_t tokens) const { return (tokens * T + P - 1) / P; }
+  bool ahead() const { return cfg.map_ahead_pages || cfg.map_ahead_tokens; }
+  // Pages the thread keeps a sequence at (without map-ahead: what its tokens need).
+  std::size_t target(const slot& sl) const {
+    const std::size_t t = sl.tokens + std::min(cfg.map_ahead_tokens, cfg.max_tokens - sl.tokens);
+    return std::min(maxp, pages_for(t) + cfg.map_ahead_pages);
+  }
+  void account(const calls& c, std::uint64_t* path) {
+    st.driver_calls += c.n;
+    st.failures += c.failures;
+    if (path) *path += c.n;
+  }
+
+  slot& open_slot(seq_id s, const char* what) {
+    if (s >= slots.size())
+      bad("unknown sequence", std::string("::") + what + ": sequence " + std::to_string(s) +
+                                  " is out of range (max_seqs " + std::to_string(slots.size()) + ")");
+    if (!slots[s].open)
+      bad("sequence not open", std::string("::") + what + ": sequence " + std::to_string(s) + " is not open");
+    return slots[s];
+  }
+  void wait_not_busy(std::unique_lock<std::mutex>& lk, seq_id s) {
+    cv.wait(lk, [&] { return !slots[s].busy; });
+  }
+
+  // ---- mapping a range of pages of one slot (no shared state touched but the backend) ----
+  struct job {
+    std::size_t s = 0, from = 0, to = 0;
+    std::vector<mem_handle> pooled;  // in: handles to map first (taken from the back)
+    std::vector<mem_handle> out;     // success: [buf * (to - from) + (p - from)]
+    std::vector<mem_handle> back;    // failure (and leftovers): handles for the pool
+    std::vector<stray> strays;       // failure: rollback work the driver refused twice
+    std::uint64_t created = 0, reused = 0, released = 0;
+    calls c;
+    status st;
+  };
+
+  // Maps pages [from, to) of slot s in every buffer: per buffer, one map per page and one
+  // set_access over the range. All or nothing: on failure every mapping made is unmapped, created
+  // handles are released and pooled ones handed back.
+  void run(job& j) {
+    struct made {
+      std::uintptr_t va;
+      mem_handle h;
+      bool created, mapped;
+    };
+    const std::size_t n = j.to - j.from;
+    std::vector<made> m;
+    m.reserve(nbuf * n);
+    status err{};
+    for (std::size_t buf = 0; buf < nbuf && err.ok(); ++buf) {
+      for (std::size_t p = j.from; p < j.to && err.ok(); ++p) {
+        const std::uintptr_t va = va_of(buf, j.s, p);
+        made x{va, 0, false, false};
+        if (!j.pooled.empty()) {
+          x.h = j.pooled.back();
+          j.pooled.pop_back();
+        } else {
+          auto r = result<mem_handle>{};
+          j.c.once([&] { return (r = b->create(P, props)).st; });
+          if (!r.ok()) {
+            err = r.st;
+            break;
+          }
+          x.h = r.value;
+          x.created = true;
+          ++j.created;
+        }
+        status s = j.c.once([&] { return b->map(va, P, x.h, 0); });
+        x.mapped = s.ok();
+        m.push_back(x);
+        if (!s.ok()) err = s;
+      }
+      // A mapping has no access until this grants it (cuMemMap's rule); the range spans n mappings.
+      if (err.ok()) err = j.c.once([&] { return b->set_access(va_of(buf, j.s, j.from), n * P, access); });
+    }
+    if (err.ok()) {
+      j.out.reserve(m.size());
+      for (auto& x : m) {
+        j.out.push_back(x.h);
+        if (!x.created) ++j.reused;
+      }
+      j.back.insert(j.back.end(), j.pooled.begin(), j.pooled.end());
+      j.pooled.clear();
+      return;
+    }
+    j.st = err;
+    for (auto it = m.rbegin(); it != m.rend(); ++it) {
+      if (it->mapped && !j.c.twice([&] { return b->unmap(it->va, P); }).ok()) {
+        j.strays.push_back({it->va, it->h, true});
+        continue;
+      }
+      if (!it->created) {
+        j.back.push_back(it->h);
+      } else if (j.c.twice([&] { return b->release(it->h); }).ok()) {
+        ++j.released;
+      } else {
+        j.strays.push_back({it->va, it->h, false});
+      }
+    }
+    j.back.insert(j.back.end(), j.pooled.begin(), j.pooled.end());
+    j.pooled.clear();
+  }
+
+  // Under the lock: a job for [from, to) of slot s with as many pooled handles as it can use.
+  job plan(std::size_t s, std::size_t from, std::size_t to) {
+    job j;
+    j.s = s;
+    j.from = from;
+    j.to = to;
+    const std::size_t want = std::min(pool.size(), nbuf * (to - from));
+    j.pooled.assign(pool.end() - static_cast<std::ptrdiff_t>(want), pool.end());
+    pool.resize(pool.size() - want);
+    return j;
+  }
+
+  // Under the lock: the job's outcome into the slot, the pool and the counters.
+  void commit(job& j, std::uint64_t* path) {
+    account(j.c, path);
+    st.pages_created += j.created;
+    st.pages_released += j.released;
+    pool.insert(pool.end(), j.back.begin(), j.back.end());
+    strays.insert(strays.end(), j.strays.begin(), j.strays.end());
+    if (!j.st.ok()) return;
+    slot& sl = slots[j.s];
+    const std::size_t n = j.to - j.from;
+    for (std::size_t buf = 0; buf < nbuf; ++buf)
+      for (std::size_t i = 0; i < n; ++i) sl.h[buf * maxp + j.from + i] = j.out[buf * n + i];
+    sl.mapped = j.to;
+    groups_mapped += n;
+    st.pages_reused += j.reused;
+  }
+
+  // Under the lock: retries parked work. A stray mapping would block mapping its page again.
+  status clean_strays(calls& c) {
+    status first{};
+    for (auto it = strays.begin(); it != strays.end();) {
+      status s{};
+      if (it->mapped) {
+        s = c.twice([&] { return b->unmap(it->va, P); });
+        if (s.ok()) it->mapped = false;
+      }
+      if (s.ok()) s = c.twice([&] { return b->release(it->h); });
+      if (s.ok()) {
+        ++st.pages_released;
+        it = strays.erase(it);
+      } else {
+        if (first.ok()) first = s;
+        ++it;
+      }
+    }
+    return first;
+  }
+
+  // Under the lock: unmaps pages [keep, mapped) of sl into the pool, top page first. A refused
+  // unmap (twice) parks that page as a stray; the slot shrinks anyway. Returns the first refusal.
+  status unmap_down_to(slot& sl, std::size_t s, std::size_t keep) {
+    calls c;
+    status err{};
+    for (std::size_t p = sl.mapped; p-- > keep;) {
+      for (std::size_t buf = 0; buf < nbuf; ++buf) {
+        const std::uintptr_t va = va_of(buf, s, p);
+        const mem_handle h = sl.h[buf * maxp + p];
+        status x = c.twice([&] { return b->unmap(va, P); });
+        if (x.ok()) {
+          pool.push_back(h);
+        } else {
+          strays.push_back({va, h, true});
+          if (err.ok()) err = x;
+        }
+      }
+    }
+    if (sl.mapped > keep) {
+      groups_mapped -= sl.mapped - keep;
+      sl.mapped = keep;
+      for (auto& o : slots) o.ahead_failed = false;  // the pool grew: a parked job may fit now
+    }
+    account(c, nullptr);
+    return err;
+  }
+
+  // ---- the map-ahead thread ----
+  long find_work(std::size_t from) const {
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      const std::size_t s = (from + i) % slots.size();
+      const slot& sl = slots[s];
+      if (sl.open && !sl.busy && !sl.ahead_failed && sl.mapped < target(sl)) return static_cast<long>(s);
+    }
+    return -1;
+  }
+  bool any_busy() const {
+    return std::any_of(slots.begin(), slots.end(), [](const slot& s) { return s.busy; });
+  }
+
+  void work() {
+    std::unique_lock lk(mu);
+    std::size_t next = 0;
+    while (!stop) {
+      const long w = find_work(next);
+      if (w < 0) {
+        cv.notify_all();  // idle: wait_map_ahead() may return
+        cv.wait(lk);
+        continue;
+      }
+      const auto s = static_cast<std::size_t>(w);
+      next = s + 1;
+      if (!strays.empty()) {
+        calls c;
+        status x = clean_strays(c);
+        account(c, &st.map_ahead_driver_calls);
+        if (!x.ok()) {
+          slots[s].ahead_failed = true;
+          ++st.map_ahead_failures;
+          continue;
+        }
+      }
+      slots[s].busy = true;
+      job j = plan(s, slots[s].mapped, target(slots[s]));
+      lk.unlock();
+      run(j);  // the driver's time, with the lock released: append() and k() do not wait
+      lk.lock();
+      commit(j, &st.map_ahead_driver_calls);
+      if (j.st.ok()) {
+        st.map_ahead_pages += j.to - j.from;
+      } else {
+        slots[s].ahead_failed = true;
+        ++st.map_ahead_failures;
+      }
+      slots[s].busy = false;
+      cv.notify_all();
+    }
+  }
+
+  static impl& live(const std::unique_ptr<impl>& p) {
+    if (!p) bad("moved-from", ": moved-from kv_cache");
+    return *p;
+  }
+
+  void* ptr_of(seq_id s, std::size_t layer, std::size_t kv, const char* what) const {
+    if (s >= slots.size() || layer >= cfg.layers)
+      bad("out of range", std::string("::") + what + ": sequence " + std::to_string(s) + " / layer " +
+                              std::to_string(layer) + " out of range (max_seqs " + std::to_string(slots.size()) +
+                              ", layers " + std::to_string(cfg.layers) + ")");
+    return reinterpret_cast<void*>(va_of(2 * layer + kv, s, 0));
+  }
+
+  // Under the lock: opens slot s (checked).
+  void open_locked(std::unique_lock<std::mutex>& lk, seq_id s) {
+    if (s >= slots.size())
+      bad("unknown sequence", "::open: slot " + std::to_string(s) + " is out of range (max_seqs " +
+                                  std::to_string(slots.size()) + ")");
+    slot& sl = slots[s];
+    if (sl.open) bad("sequence already open", "::open: slot " + std::to_string(s) + " is already open");
+    wait_not_busy(lk, s);  // the thread never starts on a closed slot; a job it began before close ended
+    if (sl.h.empty()) sl.h.assign(nbuf * maxp, 0);
+    sl.open = true;
+    sl.tokens = 0;
+    sl.ahead_failed = false;
+    ++open_count;
+  }
+
+  void destroy() noexcept {
+    {
+      std::lock_guard g(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (worker.joinable()) worker.join();
+    if (!b) return;
+    // Teardown cannot report errors: each call is retried once. A handle whose mapping could not
+    // be undone is still released (memory returns when the mapping goes, the driver's rule).
+    calls c;
+    for (std::size_t s = 0; s < slots.size(); ++s) {
+      slot& sl = slots[s];
+      for (std::size_t p = sl.mapped; p-- > 0;)
+        for (std::size_t buf = 0; buf < nbuf; ++buf) {
+          const mem_handle h = sl.h[buf * maxp + p];
+          (void)c.twice([&] { return b->unmap(va_of(buf, s, p), P); });
+          if (c.twice([&] { return b->release(h); }).ok()) ++st.pages_released;
+        }
+      sl.mapped = 0;
+      sl.open = false;
+    }
+    for (mem_handle h : pool)
+      if (c.twice([&] { return b->release(h); }).ok()) ++st.pages_released;
+    pool.clear();
+    (void)clean_strays(c);
+    strays.clear();
+    if (reserved) (void)c.twice([&] { return b->free_reservation(base, reserved); });
+    account(c, nullptr);
+    b.reset();
+  }
+};
+
+// ---- construction --------------------------------------------------------------------------------
+
+kv_cache::kv_cache(std::unique_ptr<backend_iface> b, const kv_cache_config& c) : p_(std::make_unique<impl>()) {
+  impl& m = *p_;
+  m.b = std::move(b);
+  m.cfg = c;
+  if (!m.b) bad("no backend", ": no backend");
+  const struct {
+    std::size_t v;
+    const char* name;
+  } dims[] = {{c.layers, "layers"},     {c.kv_heads, "kv_heads"},   {c.head_dim, "head_dim"},
+              {c.elem_bytes, "elem_bytes"}, {c.max_seqs, "max_seqs"}, {c.max_tokens, "max_tokens"}};
+  for (const auto& d : dims)
+    if (d.v == 0) bad("zero dimension", std::string(": config.") + d.name + " must be > 0");
+
+  m.props.location = location_kind::device;
+  m.props.id = c.device;
+  calls k;
+  auto g = result<granularity_info>{};
+  k.once([&] { return (g = m.b->granularity(m.props)).st; });
+  if (!g.ok()) throw_status(g.st, "vmm::kv_cache: granularity of device " + std::to_string(c.device));
+  m.gran = g.value.minimum;
+  m.access.push_back({c.device, access_mode::read_write});
+  for (const auto& p : c.peers) {
+    if (p.device == c.device) continue;
+    if (!m.b->can_access_peer(p.device, c.device))
+      bad("peer cannot access the owner", ": device " + std::to_string(p.device) +
+                                              " cannot access device " + std::to_string(c.device));
+    chunk_props pp = m.props;
+    pp.id = p.device;
+    auto pg = result<granularity_info>{};
+    k.once([&] { return (pg = m.b->granularity(pp)).st; });
+    if (!pg.ok()) throw_status(pg.st, "vmm::kv_cache: granularity of peer " + std::to_string(p.device));
+    m.gran = std::max(m.gran, pg.value.minimum);
+    m.access.push_back(p);
+  }
+  if (m.gran == 0) bad("bad granularity", ": granularity 0");
+  m.P = c.page_size ? c.page_size : m.gran;
+  if (m.P % m.gran)
+    bad("page_size not a multiple of the granularity",
+        ": page_size " + std::to_string(m.P) + " is not a multiple of the granularity " + std::to_string(m.gran));
+
+  // Geometry, overflow-checked: T, S = round_up(max_tokens * T, P), B = max_seqs * S, 2 L B.
+  std::size_t t1 = 0, t2 = 0, seq = 0, bufs = 0;
+  bool over = __builtin_mul_overflow(c.kv_heads, c.head_dim, &t1) || __builtin_mul_overflow(t1, c.elem_bytes, &t2) ||
+              __builtin_mul_overflow(c.max_tokens, t2, &seq) || seq > SIZE_MAX - m.P ||
+              __builtin_mul_overflow(round_up(seq, m.P), c.max_seqs, &m.B) ||
+              __builtin_mul_overflow(c.layers, std::size_t{2}, &bufs) ||
+              __builtin_mul_overflow(bufs, m.B, &m.reserved);
+  if (over)
+    throw out_of_memory(fail(errc::out_of_memory, "layout overflows"),
+                        "vmm::kv_cache: the layout (2 x layers x max_seqs x max_tokens x token bytes) overflows");
+  m.T = t2;
+  m.S = round_up(seq, m.P);
+  m.nbuf = bufs;
+  m.maxp = m.S / m.P;
+  m.slots.resize(c.max_seqs);
+
+  // The one reservation (~3 us on the driver even for TiBs).
+  auto r = result<std::uintptr_t>{};
+  k.once([&] { return (r = m.b->reserve(m.reserved, m.P)).st; });
+  m.account(k, nullptr);
+  if (!r.ok())
+    throw_status(r.st, "vmm::kv_cache: reserving " + std::to_string(m.reserved >> 20) + " MiB of address space");
+  m.base = r.value;
+  if (m.ahead()) m.worker = std::thread([&m] { m.work(); });
+}
+
+kv_cache kv_cache::host(const kv_cache_config& c, const host_backend_options& h) {
+  return kv_cache(make_backend<host_backend>(h), c);
+}
+
+kv_cache kv_cache::cuda(const kv_cache_config& c) {
+  auto m = std::make_unique<backend_model<cuda_backend>>(c.device);
+  if (!m->get().available()) throw error(m->get().load_status(), m->get().load_message());
+  return kv_cache(std::move(m), c);
+}
+
+kv_cache::~kv_cache() {
+  if (p_) p_->destroy();
+}
+kv_cache::kv_cache(kv_cache&&) noexcept = default;
+kv_cache& kv_cache::operator=(kv_cache&& o) noexcept {
+  if (this != &o) {
+    if (p_) p_->destroy();
+    p_ = std::move(o.p_);
+  }
+  return *this;
+}
+
+// ---- sequences -------------------------------------------------------------------------------
+
+seq_id kv_cache::open() {
+  impl& m = impl::live(p_);
+  std::unique_lock lk(m.mu);
+  std::size_t s = 0;
+  while (s < m.slots.size() && m.slots[s].open) ++s;
+  if (s == m.slots.size())
+    throw out_of_memory(fail(errc::out_of_memory, "too many sequences"),
+                        "vmm::kv_cache::open: all " + std::to_string(m.slots.size()) +
+                            " sequence slots (max_seqs) are open");
+  m.open_locked(lk, s);
+  lk.unlock();
+  if (m.ahead()) m.cv.notify_all();
+  return s;
+}
+
+seq_id kv_cache::open(seq_id s) {
+  impl& m = impl::live(p_);
+  std::unique_lock lk(m.mu);
+  m.open_locked(lk, s);
+  lk.unlock();
+  if (m.ahead()) m.cv.notify_all();
+  return s;
+}
+
+std::size_t kv_cache::append(seq_id s, std::size_t n) {
+  impl& m = impl::live(p_);
+  std::unique_lock lk(m.mu);
+  impl::slot* sl = &m.open_slot(s, "append");
+  const std::size_t old = sl->tokens;
+  if (n > m.cfg.max_tokens - old)
+    throw out_of_memory(fail(errc::out_of_memory, "max_tokens exceeded"),
+                        "vmm::kv_cache::append: sequence " + std::to_string(s) + " has " + std::to_string(old) +
+                            " tokens; " + std::to_string(n) + " more exceed max_tokens " +
+                            std::to_string(m.cfg.max_tokens));
+  const std::size_t need = m.pages_for(old + n);
+  if (need > sl->mapped && sl->busy) {
+    ++m.st.append_waits;  // the thread is mapping this slot: its pages are on the way
+    m.wait_not_busy(lk, s);
+    sl = &m.open_slot(s, "append");  // a concurrent close is the caller's race; still checked
+  }
+  if (need > sl->mapped) {
+    const std::string ctx = "vmm::kv_cache::append: sequence " + std::to_string(s) + ", mapping pages " +
+                            std::to_string(sl->mapped) + ".." + std::to_string(need) + " (" +
+                            std::to_string(m.nbuf) + " buffers)";
+    if (!m.strays.empty()) {
+      calls c;
+      status x = m.clean_strays(c);
+      m.account(c, &m.st.append_driver_calls);
+      if (!x.ok()) throw_status(x, ctx + ": undoing an earlier failed step");
+    }
+    impl::job j = m.plan(s, sl->mapped, need);
+    m.run(j);
+    m.commit(j, &m.st.append_driver_calls);
+    if (!j.st.ok()) {
+      if (m.ahead()) m.cv.notify_all();  // handles went back to the pool
+      throw_status(j.st, ctx);
+    }
+    sl->ahead_failed = false;
+  }
+  sl->tokens = old + n;
+  m.tokens_used += n;
+  ++m.st.appends;
+  // Wake the thread only when this append left the slot short of its target (once per page).
+  const bool wake = m.ahead() && !sl->ahead_failed && sl->mapped < m.target(*sl);
+  lk.unlock();
+  if (wake) m.cv.notify_all();
+  return old;
+}
+
+void kv_cache::truncate(seq_id s, std::size_t n) {
+  impl& m = impl::live(p_);
+  std::unique_lock lk(m.mu);
+  impl::slot& sl = m.open_slot(s, "truncate");
+  if (n > sl.tokens)
+    bad("truncate past the length", "::truncate: sequence " + std::to_string(s) + " has " +
+                                        std::to_string(sl.tokens) + " tokens, cannot truncate to " + std::to_string(n));
+  m.wait_not_busy(lk, s);  // the thread must not be mapping pages we are about to unmap
+  m.tokens_used -= sl.tokens - n;
+  sl.tokens = n;
+  const std::size_t keep = m.target(sl);
+  status err = sl.mapped > keep ? m.unmap_down_to(sl, s, keep) : status{};
+  lk.unlock();
+  m.cv.notify_all();
+  if (!err.ok())
+    throw error(err, "vmm::kv_cache::truncate: sequence " + std::to_string(s) + " is now " + std::to_string(n) +
+                         " tokens, but unmapping was refused (parked, retried later): " + err.message());
+}
+
+void kv_cache::close(seq_id s) {
+  impl& m = impl::live(p_);
+  std::unique_lock lk(m.mu);
+  impl::slot& sl = m.open_slot(s, "close");
+  m.wait_not_busy(lk, s);
+  m.tokens_used -= sl.tokens;
+  sl.tokens = 0;
+  sl.open = false;
+  --m.open_count;
+  status err = m.unmap_down_to(sl, s, 0);
+  lk.unlock();
+  m.cv.notify_all();
+  if (!err.ok())
+    throw error(err, "vmm::kv_cache::close: sequence " + std::to_string(s) +
+                         " is closed, but unmapping was refused (parked, retried later): " + err.message());
+}
+
+std::size_t kv_cache::trim() { return trim(impl::live(p_).cfg.pool_keep_pages); }
+
+std::size_t kv_cache::trim(std::size_t keep) {
+  impl& m = impl::live(p_);
+  std::lock_guard g(m.mu);
+  calls c;
+  std::size_t released = 0;
+  status err{};
+  while (m.pool.size() > keep) {
+    const mem_handle h = m.pool.back();
+    err = c.twice([&] { return m.b->release(h); });
+    if (!err.ok()) break;  // stays pooled: a later trim retries
+    m.pool.pop_back();
+    ++released;
+  }
+  m.st.pages_released += released;
+  m.account(c, nullptr);
+  if (!err.ok())
+    throw error(err, "vmm::kv_cache::trim: released " + std::to_string(released) +
+                         " pages, then the driver refused: " + err.message());
+  return released;
+}
+
+void kv_cache::wait_map_ahead() {
+  impl& m = impl::live(p_);
+  if (!m.ahead()) return;
+  std::unique_lock lk(m.mu);
+  m.cv.notify_all();
+  m.cv.wait(lk, [&] { return m.stop || (m.find_work(0) < 0 && !m.any_busy()); });
+}
+
+// ---- queries ---------------------------------------------------------------------------------
+
+bool kv_cache::is_open(seq_id s) const {
+  const impl& m = impl::live(p_);
+  std::lock_guard g(m.mu);
+  return s < m.slots.size() && m.slots[s].open;
+}
+std::size_t kv_cache::length(seq_id s) const {
+  impl& m = impl::live(p_);
+  std::lock_guard g(m.mu);
+  return m.open_slot(s, "length").tokens;
+}
+std::size_t kv_cache::mapped_pages(seq_id s) const {
+  impl& m = impl::live(p_);
+  std::lock_guard g(m.mu);
+  return m.open_slot(s, "mapped_pages").mapped;
+}
+std::size_t kv_cache::capacity(seq_id s) const {
+  impl& m = impl::live(p_);
+  std::lock_guard g(m.mu);
+  return std::min(m.cfg.max_tokens, m.open_slot(s, "capacity").mapped * m.P / m.T);
+}
+
+void* kv_cache::k(seq_id s, std::size_t layer) const { return impl::live(p_).ptr_of(s, layer, 0, "k"); }
+void* kv_cache::v(seq_id s, std::size_t layer) const { return impl::live(p_).ptr_of(s, layer, 1, "v"); }
+void* kv_cache::k_base(std::size_t layer) const { return impl::live(p_).ptr_of(0, layer, 0, "k_base"); }
+void* kv_cache::v_base(std::size_t layer) const { return impl::live(p_).ptr_of(0, layer, 1, "v_base"); }
+
+void* kv_cache::base() const noexcept { return p_ ? reinterpret_cast<void*>(p_->base) : nullptr; }
+std::size_t kv_cache::reserved() const noexcept { return p_ ? p_->reserved : 0; }
+std::size_t kv_cache::token_bytes() const noexcept { return p_ ? p_->T : 0; }
+std::size_t kv_cache::seq_stride() const noexcept { return p_ ? p_->S : 0; }
+std::size_t kv_cache::buffer_stride() const noexcept { return p_ ? p_->B : 0; }
+std::size_t kv_cache::page_size() const noexcept { return p_ ? p_->P : 0; }
+std::size_t kv_cache::tokens_per_page() const noexcept { return p_ ? p_->P / p_->T : 0; }
+std::size_t kv_cache::max_pages() const noexcept { return p_ ? p_->maxp : 0; }
+std::size_t kv_cache::pages_for(std::size_t tokens) const noexcept { return p_ ? p_->pages_for(tokens) : 0; }
+std::size_t kv_cache::granularity() const noexcept { return p_ ? p_->gran : 0; }
+const kv_cache_config& kv_cache::config() const noexcept {
+  static const kv_cache_config empty{};
+  return p_ ? p_->cfg : empty;
+}
+backend_iface& kv_cache::backend() noexcept { return *impl::live(p_).b; }
+
+kv_cache_stats kv_cache::stats() const {
+  const impl& m = impl::live(p_);
+  std::lock_guard g(m.mu);
+  kv_cache_stats s = m.st;
+  s.pages_mapped = m.groups_mapped * m.nbuf;
+  s.pages_pooled = m.pool.size();
+  s.mapped_bytes = s.pages_mapped * m.P;
+  s.used_bytes = m.tokens_used * m.T * m.nbuf;
+  s.open_seqs = m.open_count;
+  return s;
+}
+
+}  // namespace vmm

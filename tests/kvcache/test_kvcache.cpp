@@ -1,0 +1,654 @@
+// vmm::kv_cache on the host backend: layout and strides, pages mapped as sequences grow, the handle
+// pool (reuse without create, trim), errors with state intact, fault injection on every mapping
+// step (rollback, no leaks), a random workload checked against a model (mapped pages, pool counts,
+// contents), and map-ahead (append makes no driver call once the thread caught up).
+//
+// Geometry of most cases: 64 KiB host granularity = page; T = 4 heads x 64 dims x 2 B = 512 B, so
+// 128 tokens a page; 2 layers = 4 buffers (K0 V0 K1 V1). Memory stays small (a few MiB).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <new>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "support/fault_backend.hpp"
+#include "vmmalloc/kv_cache.hpp"
+
+namespace {
+
+constexpr std::size_t KiB = 1024, PAGE = 64 * KiB;
+
+using vmm::kv_cache;
+using vmm::test::fault;
+using vmm::test::fault_state;
+using vmm::test::op;
+
+vmm::kv_cache_config small_cfg(std::size_t max_seqs = 8, std::size_t max_tokens = 1000, std::size_t ahead = 0) {
+  vmm::kv_cache_config c;
+  c.layers = 2;
+  c.kv_heads = 4;
+  c.head_dim = 64;
+  c.elem_bytes = 2;
+  c.max_seqs = max_seqs;
+  c.max_tokens = max_tokens;
+  c.map_ahead_pages = ahead;
+  return c;
+}
+
+vmm::host_backend_options host_opts(std::size_t physical_limit = std::size_t{1} << 30) {
+  vmm::host_backend_options h;
+  h.granularity = PAGE;
+  h.physical_limit = physical_limit;
+  return h;
+}
+
+// A cache over a fault-injecting host backend; the state outlives the cache (leak checks).
+struct faulty {
+  std::shared_ptr<fault_state> st = std::make_shared<fault_state>();
+  kv_cache kv;
+  explicit faulty(const vmm::kv_cache_config& c, vmm::host_backend_options h = host_opts())
+      : kv(vmm::test::make_fault_host(st, h), c) {}
+  vmm::host_backend& host() { return *vmm::test::as_fault(kv.backend())->host(); }
+};
+
+std::size_t nbuf(const kv_cache& kv) { return 2 * kv.config().layers; }
+
+unsigned char* buf_ptr(const kv_cache& kv, vmm::seq_id s, std::size_t buf) {
+  return static_cast<unsigned char*>(buf % 2 ? kv.v(s, buf / 2) : kv.k(s, buf / 2));
+}
+
+// Byte i of token t in buffer `buf` of a sequence whose contents are tagged `tag`.
+std::uint8_t pat(std::uint64_t tag, std::size_t buf, std::size_t t, std::size_t i) {
+  std::uint64_t x = tag * 0x9E3779B97F4A7C15ull ^ (buf << 48) ^ (t << 16) ^ i;
+  x ^= x >> 29;
+  x *= 0xBF58476D1CE4E5B9ull;
+  return static_cast<std::uint8_t>(x >> 32);
+}
+
+void write_tokens(kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t t0, std::size_t t1) {
+  const std::size_t T = kv.token_bytes();
+  for (std::size_t b = 0; b < nbuf(kv); ++b) {
+    unsigned char* p = buf_ptr(kv, s, b);
+    for (std::size_t t = t0; t < t1; ++t)
+      for (std::size_t i = 0; i < T; i += 8) p[t * T + i] = pat(tag, b, t, i);  // every 8th byte: fast enough
+  }
+}
+
+// Number of wrong bytes among those write_tokens wrote for [0, n).
+std::size_t check_tokens(const kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t n) {
+  const std::size_t T = kv.token_bytes();
+  std::size_t bad = 0;
+  for (std::size_t b = 0; b < nbuf(kv); ++b) {
+    const unsigned char* p = buf_ptr(kv, s, b);
+    for (std::size_t t = 0; t < n; ++t)
+      for (std::size_t i = 0; i < T; i += 8) bad += p[t * T + i] != pat(tag, b, t, i);
+  }
+  return bad;
+}
+
+// Live objects agree with what the cache says.
+void check_live(faulty& f) {
+  auto s = f.kv.stats();
+  CHECK(f.st->live_handles() == static_cast<std::int64_t>(s.pages_mapped + s.pages_pooled));
+  CHECK(f.st->live_mappings() == static_cast<std::int64_t>(s.pages_mapped));
+  CHECK(f.st->live_reservations() == 1);
+  CHECK(f.host().live_handles() == s.pages_mapped + s.pages_pooled);
+  CHECK(f.host().live_mappings() == s.pages_mapped);
+  CHECK(s.mapped_bytes == s.pages_mapped * f.kv.page_size());
+}
+
+}  // namespace
+
+TEST_CASE("layout: strides and pointers as documented; construction maps nothing") {
+  faulty f(small_cfg(8, 1000));
+  kv_cache& kv = f.kv;
+  CHECK(kv.granularity() == PAGE);
+  CHECK(kv.page_size() == PAGE);
+  CHECK(kv.token_bytes() == 4 * 64 * 2);
+  CHECK(kv.tokens_per_page() == 128);
+  CHECK(kv.seq_stride() == 8 * PAGE);  // round_up(1000 * 512, 64 KiB) = 512 KiB
+  CHECK(kv.max_pages() == 8);
+  CHECK(kv.buffer_stride() == 8 * kv.seq_stride());
+  CHECK(kv.reserved() == 4 * kv.buffer_stride());
+  const auto base = reinterpret_cast<std::uintptr_t>(kv.base());
+  CHECK(base % PAGE == 0);
+  for (std::size_t s = 0; s < 8; ++s)
+    for (std::size_t l = 0; l < 2; ++l) {
+      CHECK(reinterpret_cast<std::uintptr_t>(kv.k(s, l)) == base + (2 * l) * kv.buffer_stride() + s * kv.seq_stride());
+      CHECK(reinterpret_cast<std::uintptr_t>(kv.v(s, l)) == base + (2 * l + 1) * kv.buffer_stride() + s * kv.seq_stride());
+    }
+  CHECK(kv.k_base(1) == kv.k(0, 1));
+  CHECK(kv.v_base(0) == kv.v(0, 0));
+  CHECK(kv.pages_for(0) == 0);
+  CHECK(kv.pages_for(1) == 1);
+  CHECK(kv.pages_for(128) == 1);
+  CHECK(kv.pages_for(129) == 2);
+  CHECK_THROWS_AS(kv.k(8, 0), vmm::error);
+  CHECK_THROWS_AS(kv.v(0, 2), vmm::error);
+  CHECK(f.st->live_reservations() == 1);
+  CHECK(f.st->live_handles() == 0);
+  CHECK(f.st->live_mappings() == 0);
+  CHECK(kv.stats().driver_calls == 2);  // granularity + reserve
+}
+
+TEST_CASE("configuration errors are clear and hold nothing") {
+  auto st = std::make_shared<fault_state>();
+  auto make = [&](vmm::kv_cache_config c, vmm::host_backend_options h = host_opts()) {
+    kv_cache kv(vmm::test::make_fault_host(st, h), c);
+  };
+  for (int field = 0; field < 6; ++field) {
+    auto c = small_cfg();
+    std::size_t* f[] = {&c.layers, &c.kv_heads, &c.head_dim, &c.elem_bytes, &c.max_seqs, &c.max_tokens};
+    *f[field] = 0;
+    CHECK_THROWS_WITH_AS(make(c), doctest::Contains("must be > 0"), vmm::error);
+  }
+  auto c = small_cfg();
+  c.page_size = PAGE + 4096;
+  CHECK_THROWS_WITH_AS(make(c), doctest::Contains("not a multiple of the granularity"), vmm::error);
+  c = small_cfg();
+  c.peers = {{7, vmm::access_mode::read_write}};  // the host simulates 2 devices
+  CHECK_THROWS_WITH_AS(make(c), doctest::Contains("cannot access device 0"), vmm::error);
+  c = small_cfg();
+  c.max_tokens = SIZE_MAX / 4;
+  CHECK_THROWS_AS(make(c), vmm::out_of_memory);
+  CHECK_THROWS_AS(kv_cache(nullptr, small_cfg()), vmm::error);
+  // A refused reserve: nothing held.
+  st->arm(op::reserve, 1, fault::out_of_memory);
+  CHECK_THROWS_WITH_AS(make(small_cfg()), doctest::Contains("reserving"), vmm::out_of_memory);
+  CHECK(st->nothing_live());
+}
+
+TEST_CASE("append maps pages on demand; contents survive other sequences' growth and closing") {
+  faulty f(small_cfg(8, 1000));
+  kv_cache& kv = f.kv;
+  auto a = kv.open(), b = kv.open();
+  CHECK(a == 0);
+  CHECK(b == 1);
+  CHECK(kv.mapped_pages(a) == 0);
+  CHECK(kv.append(a, 100) == 0);
+  CHECK(kv.mapped_pages(a) == 1);
+  CHECK(kv.capacity(a) == 128);
+  write_tokens(kv, a, 1, 0, 100);
+  CHECK(kv.append(a, 100) == 100);  // crosses the page boundary at token 128
+  CHECK(kv.mapped_pages(a) == 2);
+  write_tokens(kv, a, 1, 100, 200);
+  kv.append(b, 700);
+  write_tokens(kv, b, 2, 0, 700);
+  CHECK(kv.mapped_pages(b) == 6);
+  auto c = kv.open();
+  kv.append(c, 300);
+  write_tokens(kv, c, 3, 0, 300);
+  kv.close(b);
+  kv.append(a, 800);  // 1000 tokens: 8 pages, 6 of them from b's pool
+  write_tokens(kv, a, 1, 200, 1000);
+  CHECK(check_tokens(kv, a, 1, 1000) == 0);
+  CHECK(check_tokens(kv, c, 3, 300) == 0);
+  auto s = kv.stats();
+  CHECK(s.pages_reused == 6 * 4);
+  CHECK(s.pages_created == (2 + 6 + 3) * 4);
+  CHECK(s.pages_mapped == (8 + 3) * 4);
+  CHECK(s.pages_pooled == 0);
+  CHECK(s.used_bytes == (1000 + 300) * kv.token_bytes() * 4);
+  CHECK(s.open_seqs == 2);
+  CHECK(s.appends == 5);
+  check_live(f);
+  // Every mapping is read_write for the owner.
+  CHECK(f.host().access_of(reinterpret_cast<std::uintptr_t>(kv.v(a, 1)) + 7 * PAGE, 0) == vmm::access_mode::read_write);
+}
+
+TEST_CASE("reuse: a closed sequence's pages are mapped again with map + set_access only") {
+  faulty f(small_cfg(4, 1000));
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.append(a, 1000);
+  kv.close(a);
+  CHECK(kv.stats().pages_pooled == 8 * 4);
+  CHECK(f.st->live_mappings() == 0);
+  const auto creates = f.st->calls(op::create), maps = f.st->calls(op::map), sa = f.st->calls(op::set_access);
+  auto b = kv.open();
+  kv.append(b, 1000);
+  CHECK(f.st->calls(op::create) == creates);            // no create
+  CHECK(f.st->calls(op::map) == maps + 8 * 4);          // one map per page
+  CHECK(f.st->calls(op::set_access) == sa + 4);         // one set_access per buffer for the 8 pages
+  CHECK(kv.stats().pages_reused == 8 * 4);
+  check_live(f);
+}
+
+TEST_CASE("truncate unmaps the pages past the new length; trim releases the pool beyond keep") {
+  auto c = small_cfg(4, 1000);
+  c.pool_keep_pages = 4;
+  faulty f(c);
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.append(a, 1000);
+  write_tokens(kv, a, 9, 0, 1000);
+  kv.truncate(a, 200);  // keeps 2 pages
+  CHECK(kv.length(a) == 200);
+  CHECK(kv.mapped_pages(a) == 2);
+  CHECK(kv.stats().pages_pooled == 6 * 4);
+  CHECK(check_tokens(kv, a, 9, 200) == 0);
+  kv.truncate(a, 200);  // no-op
+  CHECK_THROWS_WITH_AS(kv.truncate(a, 201), doctest::Contains("cannot truncate to 201"), vmm::error);
+  check_live(f);
+  CHECK(kv.trim() == 20);  // keeps config.pool_keep_pages = 4
+  CHECK(kv.stats().pages_pooled == 4);
+  CHECK(kv.stats().pages_released == 20);
+  check_live(f);
+  CHECK(kv.trim(0) == 4);
+  CHECK(kv.trim(0) == 0);
+  kv.close(a);
+  CHECK(kv.trim(0) == 8);
+  CHECK(f.host().live_handles() == 0);
+  CHECK(f.host().live_mappings() == 0);
+  CHECK(f.host().live_reservations() == 1);
+}
+
+TEST_CASE("errors: max_tokens, too many sequences, unknown or closed sequence; state intact") {
+  faulty f(small_cfg(2, 1000));
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.append(a, 900);
+  const auto before = kv.stats();
+  CHECK_THROWS_WITH_AS(kv.append(a, 101), doctest::Contains("exceed max_tokens 1000"), vmm::out_of_memory);
+  CHECK(kv.length(a) == 900);
+  CHECK(kv.stats().pages_mapped == before.pages_mapped);
+  CHECK(kv.stats().driver_calls == before.driver_calls);
+  CHECK_THROWS_AS(kv.append(a, SIZE_MAX), vmm::out_of_memory);  // no overflow
+  kv.append(a, 100);  // exactly max_tokens is fine
+  CHECK(kv.capacity(a) == 1000);
+  kv.open();
+  CHECK_THROWS_WITH_AS(kv.open(), doctest::Contains("all 2 sequence slots"), vmm::out_of_memory);
+  CHECK_THROWS_WITH_AS(kv.open(1), doctest::Contains("already open"), vmm::error);
+  CHECK_THROWS_WITH_AS(kv.open(2), doctest::Contains("out of range"), vmm::error);
+  CHECK_THROWS_WITH_AS(kv.append(5, 1), doctest::Contains("out of range"), vmm::error);
+  kv.close(1);
+  CHECK_THROWS_WITH_AS(kv.append(1, 1), doctest::Contains("is not open"), vmm::error);
+  CHECK_THROWS_AS(kv.close(1), vmm::error);
+  CHECK_THROWS_AS(kv.truncate(1, 0), vmm::error);
+  CHECK_THROWS_AS(kv.length(1), vmm::error);
+  CHECK_FALSE(kv.is_open(1));
+  CHECK(kv.is_open(0));
+  bool thrown = false;
+  try {
+    kv.append(1, 1);
+  } catch (const vmm::error& e) {
+    thrown = true;
+    CHECK(e.st().kind == vmm::errc::invalid_value);
+  }
+  CHECK(thrown);
+  CHECK(kv.open(1) == 1);  // a closed slot opens again
+  check_live(f);
+}
+
+TEST_CASE("out of physical memory: clear error, nothing new mapped, the pool is used first") {
+  // 40 pages of physical memory; a full sequence takes 8 x 4 = 32.
+  faulty f(small_cfg(4, 1000), host_opts(40 * PAGE));
+  kv_cache& kv = f.kv;
+  auto a = kv.open(), b = kv.open();
+  kv.append(a, 1000);
+  kv.append(b, 100);  // 4 pages: 36 in use
+  write_tokens(kv, b, 5, 0, 100);
+  const auto before = kv.stats();
+  CHECK_THROWS_WITH_AS(kv.append(b, 200), doctest::Contains("memfd_create"), vmm::out_of_memory);
+  CHECK(kv.length(b) == 100);
+  CHECK(kv.mapped_pages(b) == 1);
+  CHECK(kv.stats().pages_mapped == before.pages_mapped);
+  CHECK(kv.stats().pages_pooled == 0);
+  check_live(f);
+  CHECK(check_tokens(kv, b, 5, 100) == 0);
+  kv.close(a);  // 32 pages pooled: b can grow without creating
+  kv.append(b, 900);
+  CHECK(kv.mapped_pages(b) == 8);
+  CHECK(check_tokens(kv, b, 5, 100) == 0);
+  check_live(f);
+}
+
+TEST_CASE("fault injection on create / map / set_access: rolled back, state intact, no leak") {
+  for (op which : {op::create, op::map, op::set_access}) {
+    for (fault kind : {fault::out_of_memory, fault::invalid_value}) {
+      // append(b, 300) maps pages 1..2 x 4 buffers: 8 maps, 4 set_access, 4 creates (4 pooled).
+      const std::uint64_t calls = which == op::map ? 8 : 4;
+      for (std::uint64_t k = 1; k <= calls; ++k) {
+        CAPTURE(vmm::test::op_name(which));
+        CAPTURE(k);
+        faulty f(small_cfg(4, 1000));
+        kv_cache& kv = f.kv;
+        auto a = kv.open(), b = kv.open();
+        kv.append(a, 128);  // 1 page
+        kv.append(b, 10);
+        write_tokens(kv, b, 7, 0, 10);
+        kv.close(a);  // 4 pooled handles: the first 4 pages of the next append reuse them
+        const auto s0 = kv.stats();
+        const auto h0 = f.st->live_handles(), m0 = f.st->live_mappings();
+        f.st->arm(which, k, kind);
+        if (kind == fault::out_of_memory)
+          CHECK_THROWS_AS(kv.append(b, 300), vmm::out_of_memory);
+        else
+          CHECK_THROWS_WITH_AS(kv.append(b, 300), doctest::Contains(vmm::test::driver_function(which)), vmm::error);
+        CHECK(f.st->injected() == 1);
+        const auto s1 = kv.stats();
+        CHECK(kv.length(b) == 10);
+        CHECK(kv.mapped_pages(b) == 1);
+        CHECK(s1.pages_mapped == s0.pages_mapped);
+        CHECK(s1.pages_pooled == s0.pages_pooled);
+        CHECK(s1.appends == s0.appends);
+        CHECK(f.st->live_handles() == h0);
+        CHECK(f.st->live_mappings() == m0);
+        check_live(f);
+        CHECK(check_tokens(kv, b, 7, 10) == 0);
+        // The same append works once the driver does.
+        kv.append(b, 300);
+        write_tokens(kv, b, 7, 10, 310);
+        CHECK(check_tokens(kv, b, 7, 310) == 0);
+        CHECK(kv.mapped_pages(b) == 3);
+        check_live(f);
+      }
+    }
+  }
+}
+
+TEST_CASE("fault injection: a refused unmap is retried, then parked; nothing leaks") {
+  faulty f(small_cfg(4, 1000));
+  {
+    kv_cache& kv = f.kv;
+    auto a = kv.open();
+    kv.append(a, 300);
+    // One refusal: the retry succeeds, close is clean.
+    f.st->arm(op::unmap, 1, fault::not_permitted);
+    kv.close(a);
+    CHECK(f.st->injected() == 1);
+    CHECK(kv.stats().pages_pooled == 12);
+    check_live(f);
+    // Refused for good: the sequence is closed anyway, the page parked, the error reported.
+    a = kv.open();
+    kv.append(a, 300);
+    f.st->arm(op::unmap, 1, fault::not_permitted, /*sticky=*/true);
+    CHECK_THROWS_WITH_AS(kv.close(a), doctest::Contains("refused"), vmm::error);
+    f.st->disarm();
+    CHECK_FALSE(kv.is_open(a));
+    CHECK(kv.stats().pages_mapped == 0);
+    // The next growth retries the parked work first (its page's VA is needed again).
+    a = kv.open();
+    kv.append(a, 1000);
+    write_tokens(kv, a, 3, 0, 1000);
+    CHECK(check_tokens(kv, a, 3, 1000) == 0);
+    check_live(f);
+    // A refused release in trim keeps the handle pooled.
+    kv.close(a);
+    f.st->arm(op::release, 1, fault::invalid_value, true);
+    CHECK_THROWS_AS(kv.trim(0), vmm::error);
+    f.st->disarm();
+    CHECK(kv.stats().pages_pooled > 0);
+    check_live(f);
+  }
+  f.kv = kv_cache(vmm::test::make_fault_host(std::make_shared<fault_state>(), host_opts()), small_cfg());
+  CHECK(f.st->nothing_live());
+}
+
+TEST_CASE("random open / append / truncate / close against a model") {
+  auto cfg = small_cfg(6, 1000);
+  cfg.pool_keep_pages = 16;
+  for (std::uint64_t seed : {1u, 2u, 3u}) {
+    CAPTURE(seed);
+    faulty f(cfg);
+    kv_cache& kv = f.kv;
+    const std::size_t nb = nbuf(kv);
+    struct model_seq {
+      std::size_t tokens = 0, mapped = 0;
+      std::uint64_t tag = 0;
+    };
+    std::map<vmm::seq_id, model_seq> model;
+    std::size_t pool = 0, created = 0, reused = 0, released = 0;
+    std::uint64_t next_tag = 1;
+    std::mt19937_64 rng(seed);
+    auto pages_for = [&](std::size_t n) { return (n * kv.token_bytes() + PAGE - 1) / PAGE; };
+    for (int step = 0; step < 1500; ++step) {
+      const int what = static_cast<int>(rng() % 100);
+      if (what < 15 && model.size() < cfg.max_seqs) {
+        auto s = kv.open();
+        CHECK_FALSE(model.count(s));
+        model[s] = {0, 0, next_tag++};
+      } else if (model.empty()) {
+        continue;
+      } else {
+        auto it = model.begin();
+        std::advance(it, static_cast<long>(rng() % model.size()));
+        const vmm::seq_id s = it->first;
+        model_seq& m = it->second;
+        if (what < 70) {
+          const std::size_t n = rng() % 3 == 0 ? rng() % 400 : rng() % 8;
+          if (m.tokens + n > cfg.max_tokens) {
+            CHECK_THROWS_AS(kv.append(s, n), vmm::out_of_memory);
+          } else {
+            CHECK(kv.append(s, n) == m.tokens);
+            const std::size_t need = pages_for(m.tokens + n);
+            if (need > m.mapped) {
+              const std::size_t want = (need - m.mapped) * nb, take = std::min(pool, want);
+              pool -= take;
+              reused += take;
+              created += want - take;
+              m.mapped = need;
+            }
+            write_tokens(kv, s, m.tag, m.tokens, m.tokens + n);
+            m.tokens += n;
+          }
+        } else if (what < 85) {
+          const std::size_t n = m.tokens ? rng() % (m.tokens + 1) : 0;
+          kv.truncate(s, n);
+          m.tokens = n;
+          if (m.mapped > pages_for(n)) {
+            pool += (m.mapped - pages_for(n)) * nb;
+            m.mapped = pages_for(n);
+          }
+        } else if (what < 97) {
+          CHECK(check_tokens(kv, s, m.tag, m.tokens) == 0);
+          kv.close(s);
+          pool += m.mapped * nb;
+          model.erase(it);
+        } else {
+          const std::size_t r = kv.trim();
+          CHECK(r == (pool > cfg.pool_keep_pages ? pool - cfg.pool_keep_pages : 0));
+          released += r;
+          pool -= r;
+        }
+      }
+      if (step % 50 == 0 || step == 1499) {
+        const auto st = kv.stats();
+        std::size_t mapped = 0, used = 0;
+        for (auto& [s, m] : model) {
+          CHECK(kv.length(s) == m.tokens);
+          CHECK(kv.mapped_pages(s) == m.mapped);
+          CHECK(check_tokens(kv, s, m.tag, m.tokens) == 0);
+          mapped += m.mapped * nb;
+          used += m.tokens * kv.token_bytes() * nb;
+        }
+        CHECK(st.pages_mapped == mapped);
+        CHECK(st.used_bytes == used);
+        CHECK(st.pages_pooled == pool);
+        CHECK(st.pages_created == created);
+        CHECK(st.pages_reused == reused);
+        CHECK(st.pages_released == released);
+        CHECK(st.open_seqs == model.size());
+        CHECK(st.append_driver_calls <= st.driver_calls);
+        check_live(f);
+      }
+    }
+    CHECK(reused > 0);
+  }
+}
+
+TEST_CASE("map-ahead: appends on the decode path make no driver call once the thread caught up") {
+  faulty f(small_cfg(4, 1000, /*ahead=*/1));
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.wait_map_ahead();
+  CHECK(kv.mapped_pages(a) == 1);  // mapped before the first token
+  auto s0 = kv.stats();
+  CHECK(s0.append_driver_calls == 0);
+  CHECK(s0.map_ahead_driver_calls > 0);
+  CHECK(s0.map_ahead_pages == 1);
+  // Decode: one token at a time to the end; the thread stays one page ahead.
+  for (std::size_t t = 0; t < 1000; ++t) {
+    kv.append(a, 1);
+    if (t % 37 == 0) write_tokens(kv, a, 4, t, t + 1);
+    kv.wait_map_ahead();
+    CHECK(kv.mapped_pages(a) == std::min<std::size_t>(8, kv.pages_for(t + 1) + 1));
+  }
+  CHECK(check_tokens(kv, a, 4, 0) == 0);
+  auto s1 = kv.stats();
+  CHECK(s1.append_driver_calls == 0);
+  CHECK(s1.appends == 1000);
+  CHECK(s1.map_ahead_pages == 8);
+  CHECK(s1.map_ahead_driver_calls == 8 * 4 * 3);  // per page and buffer: create + map + set_access
+  // Truncate keeps the page ahead; close returns everything.
+  kv.truncate(a, 100);
+  CHECK(kv.mapped_pages(a) == 2);
+  kv.close(a);
+  // A new sequence's pages come from the pool (no create), still off the append path.
+  const auto creates = f.st->calls(op::create);
+  auto b = kv.open();
+  kv.wait_map_ahead();
+  kv.append(b, 128);
+  CHECK(kv.stats().append_driver_calls == 0);
+  kv.wait_map_ahead();
+  CHECK(kv.mapped_pages(b) == 2);
+  CHECK(f.st->calls(op::create) == creates);
+  // A prefill bigger than the map-ahead window maps on the append path (counted there).
+  kv.append(b, 600);
+  CHECK(kv.stats().append_driver_calls > 0);
+  check_live(f);
+}
+
+TEST_CASE("map-ahead in tokens: the next page is mapped only near the end of the mapped ones") {
+  auto c = small_cfg(4, 1000);
+  c.map_ahead_tokens = 16;  // 128 tokens a page
+  faulty f(c);
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.wait_map_ahead();
+  CHECK(kv.mapped_pages(a) == 1);  // pages_for(0 + 16)
+  for (std::size_t t = 1; t <= 1000; ++t) {
+    kv.append(a, 1);
+    kv.wait_map_ahead();
+    // pages_for(t + 16), capped at max_tokens: page p + 1 appears at token 128 (p + 1) - 16.
+    CHECK(kv.mapped_pages(a) == kv.pages_for(std::min<std::size_t>(t + 16, 1000)));
+  }
+  CHECK(kv.mapped_pages(a) == 8);
+  auto s = kv.stats();
+  CHECK(s.append_driver_calls == 0);
+  CHECK(s.map_ahead_pages == 8);
+  kv.truncate(a, 100);  // keeps pages_for(116) = 1
+  CHECK(kv.mapped_pages(a) == 1);
+  check_live(f);
+}
+
+TEST_CASE("map-ahead: a failing thread is parked; the append that needs the page reports it") {
+  faulty f(small_cfg(4, 1000, 1), host_opts(6 * PAGE));  // 6 pages: one page group (4) + 2
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.wait_map_ahead();
+  CHECK(kv.mapped_pages(a) == 1);
+  kv.append(a, 100);
+  kv.wait_map_ahead();  // the second group does not fit: the thread fails and parks
+  auto s = kv.stats();
+  CHECK(s.map_ahead_failures == 1);
+  CHECK(kv.mapped_pages(a) == 1);
+  CHECK(s.pages_pooled == 0);
+  check_live(f);
+  write_tokens(kv, a, 6, 0, 100);
+  CHECK_THROWS_AS(kv.append(a, 100), vmm::out_of_memory);
+  CHECK(kv.length(a) == 100);
+  CHECK(check_tokens(kv, a, 6, 100) == 0);
+  kv.append(a, 28);  // still fits the mapped page
+  check_live(f);
+}
+
+TEST_CASE("map-ahead under concurrency: sequences grow, shrink and close on several threads") {
+  auto cfg = small_cfg(8, 1000, 2);
+  faulty f(cfg);
+  {
+    kv_cache& kv = f.kv;
+    std::atomic<std::size_t> bad{0};
+    std::vector<std::thread> th;
+    for (int w = 0; w < 4; ++w)
+      th.emplace_back([&, w] {
+        std::mt19937_64 rng(100 + w);
+        for (int round = 0; round < 30; ++round) {
+          const std::uint64_t tag = 1000 * w + round;
+          auto s = kv.open();  // 4 threads x 1 sequence each of 8 slots
+          std::size_t n = 0;
+          const std::size_t target = 1 + rng() % 999;
+          while (n < target) {
+            const std::size_t k = std::min<std::size_t>(target - n, 1 + rng() % 16);
+            kv.append(s, k);
+            write_tokens(kv, s, tag, n, n + k);
+            n += k;
+            if (rng() % 50 == 0) {
+              n = rng() % (n + 1);
+              kv.truncate(s, n);
+            }
+          }
+          bad += check_tokens(kv, s, tag, n);
+          kv.close(s);
+        }
+      });
+    for (auto& t : th) t.join();
+    CHECK(bad == 0);
+    kv.wait_map_ahead();
+    auto s = kv.stats();
+    CHECK(s.open_seqs == 0);
+    CHECK(s.pages_mapped == 0);
+    CHECK(s.map_ahead_pages > 0);
+    CHECK(s.pages_reused > 0);
+    check_live(f);
+  }
+}
+
+TEST_CASE("peers get the access asked for on every page") {
+  auto c = small_cfg(2, 1000);
+  c.peers = {{1, vmm::access_mode::read}};
+  faulty f(c);
+  auto a = f.kv.open();
+  f.kv.append(a, 300);
+  for (std::size_t p = 0; p < 3; ++p) {
+    const auto va = reinterpret_cast<std::uintptr_t>(f.kv.k(a, 1)) + p * PAGE;
+    CHECK(f.host().access_of(va, 0) == vmm::access_mode::read_write);
+    CHECK(f.host().access_of(va, 1) == vmm::access_mode::read);
+  }
+}
+
+TEST_CASE("destructor and move: everything unmapped and released, with the thread running") {
+  auto st = std::make_shared<fault_state>();
+  {
+    kv_cache kv(vmm::test::make_fault_host(st, host_opts()), small_cfg(4, 1000, 2));
+    auto a = kv.open(), b = kv.open();
+    kv.append(a, 500);
+    kv.append(b, 20);
+    kv.close(a);  // pooled pages
+    kv.open();    // the thread maps for it (maybe still mapping when we move/destroy)
+    kv_cache moved(std::move(kv));
+    CHECK(kv.base() == nullptr);
+    CHECK_THROWS_AS(kv.open(), vmm::error);
+    CHECK(moved.length(b) == 20);
+    CHECK(st->live_handles() > 0);
+  }
+  CHECK(st->nothing_live());
+  // The factory: plain host backend.
+  auto kv = kv_cache::host(small_cfg(), host_opts());
+  auto s = kv.open();
+  kv.append(s, 10);
+  auto& h = dynamic_cast<vmm::backend_model<vmm::host_backend>&>(kv.backend()).get();
+  CHECK(h.live_mappings() == 4);
+  kv.close(s);
+  kv.trim(0);
+  CHECK(h.live_handles() == 0);
+  CHECK(h.live_mappings() == 0);
+  CHECK(h.live_reservations() == 1);
+}

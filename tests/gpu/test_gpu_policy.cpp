@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gpu_util.cuh"
@@ -90,7 +91,7 @@ TEST_CASE("gpu policy: ipc = fabric exports fabric handles or falls back to POSI
   gpu::fill(p, 10 * MiB, 31);
   auto h = a.export_ipc(p);
   auto s = a.stats();
-  MESSAGE("fabric policy: export kind " << (h.kind == vmm::ipc_kind::fabric ? "fabric" : "posix_fd")
+  MESSAGE("fabric policy: export kind " << std::string(h.kind == vmm::ipc_kind::fabric ? "fabric" : "posix_fd")
                                          << ", ipc_fallbacks " << s.ipc_fallbacks << ", chunks "
                                          << h.chunks.size());
   REQUIRE(!h.chunks.empty());

@@ -44,7 +44,7 @@ status arena::open() {
   for (auto& p : opt_.peers) {
     if (p.device == opt_.device) continue;
     if (!b_->can_access_peer(p.device, opt_.device))
-      return fail(errc::invalid_value, "arena", "peer device cannot access the owner device");
+      return fail(errc::invalid_value, "arena", "peer device cannot access the owner device (cuDeviceCanAccessPeer, or no VMM support)");
     chunk_props pp = props_;
     pp.id = p.device;
     auto pg = b_->granularity(pp);
@@ -310,7 +310,7 @@ status arena::set_peer_access(int device, access_mode mode) {
   if (device < 0) return fail(errc::invalid_value, "set_peer_access", "negative device ordinal");
   if (mode != access_mode::none) {
     if (!b_->can_access_peer(device, opt_.device))
-      return fail(errc::invalid_value, "set_peer_access", "peer device cannot access the owner device");
+      return fail(errc::invalid_value, "set_peer_access", "peer device cannot access the owner device (cuDeviceCanAccessPeer, or no VMM support)");
     chunk_props pp = props_;
     pp.id = device;
     auto pg = b_->granularity(pp);

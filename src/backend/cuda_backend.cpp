@@ -578,8 +578,12 @@ bool cuda_backend::can_access_peer(int device, int peer) {
   const driver& d = drv();
   CUdevice a = 0, b = 0;
   int can = 0;
-  return d.cuDeviceGet_(&a, device) == CUDA_SUCCESS && d.cuDeviceGet_(&b, peer) == CUDA_SUCCESS &&
-         d.cuDeviceCanAccessPeer_(&can, a, b) == CUDA_SUCCESS && can != 0;
+  if (!(d.cuDeviceGet_(&a, device) == CUDA_SUCCESS && d.cuDeviceGet_(&b, peer) == CUDA_SUCCESS &&
+        d.cuDeviceCanAccessPeer_(&can, a, b) == CUDA_SUCCESS && can != 0))
+    return false;
+  // The accessing device must map VMM memory itself (cuMemSetAccess names it). 0 = no; -1 = the
+  // attribute could not be read: leave the decision to cuMemSetAccess.
+  return attribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device) != 0;
 }
 
 int cuda_backend::attribute(int cu_attribute, int device) const {

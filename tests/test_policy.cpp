@@ -393,7 +393,7 @@ TEST_CASE("trace recording writes every allocation and free in the shared format
     auto a = allocator::host(o);
     auto work = [&](unsigned seed) {
       std::vector<std::pair<void*, stream_t>> live;
-      for (unsigned i = 0; i < 3000; ++i) {
+      for (unsigned i = 0; i < 50000; ++i) {  // ~2.5 MB of trace: crosses the 1 MiB buffer
         unsigned r = (seed * 2654435761u + i * 40503u) >> 7;
         stream_t s = (r & 4) ? static_cast<stream_t>(&stream_tag) : nullptr;
         if (live.size() < 50 && (r & 1)) {
@@ -418,6 +418,7 @@ TEST_CASE("trace recording writes every allocation and free in the shared format
   auto ev = read_trace(path);
   CHECK(ev.size() == allocs + frees);
   CHECK(traced == allocs + frees);
+  CHECK(ev.size() > 80000);  // several buffer flushes happened
   std::map<std::uintptr_t, std::size_t> live;
   std::set<unsigned> streams;
   bool order_ok = true, size_ok = true;

@@ -69,7 +69,8 @@ struct tcache;
 // 1 MiB buffer. One mutex per event keeps the lines in the order the calls happened, which the
 // replay needs (a free after its allocation). Stream handles become small ids in order of first use.
 struct trace_writer {
-  std::mutex mu;
+  std::mutex mu;       // the buffer and the stream ids
+  std::mutex file_mu;  // the file: taken after mu, held while a full buffer is written
   std::FILE* f = nullptr;
   std::string buf;
   std::unordered_map<stream_t, unsigned> ids;
@@ -83,9 +84,8 @@ struct trace_writer {
     return {};
   }
   void event(char kind, std::uintptr_t p, std::size_t n, stream_t s) {
-    std::lock_guard g(mu);
-    unsigned id = 0;  // the default stream is 0, as in the traces; others 1, 2, ... by first use
-    if (s) id = ids.try_emplace(s, static_cast<unsigned>(ids.size()) + 1).first->second;
+    // Formatted outside the lock: the critical section is a map lookup and a short append, so
+    // threads recording at once wait less (bench/RESULTS.md has the cost either way).
     char line[80];  // 1 + 16 hex + 20 + 10 digits + separators; to_chars stops short of the end
     char* e = line;
     *e++ = kind;
@@ -94,14 +94,30 @@ struct trace_writer {
     *e++ = ' ';
     e = std::to_chars(e, line + sizeof line - 8, n).ptr;
     *e++ = ' ';
+    std::unique_lock g(mu);
+    unsigned id = 0;  // the default stream is 0, as in the traces; others 1, 2, ... by first use
+    if (s) id = ids.try_emplace(s, static_cast<unsigned>(ids.size()) + 1).first->second;
     e = std::to_chars(e, line + sizeof line - 8, id).ptr;
     *e++ = '\n';
     buf.append(line, e);
     ++events;
-    if (buf.size() >= kFlushAt) flush_locked();
+    if (buf.size() >= kFlushAt) {
+      // Hand the full buffer to the file outside the event lock; file_mu, taken before mu is
+      // released, keeps the buffers in order.
+      std::string out;
+      out.swap(buf);
+      buf.reserve(kFlushAt + 128);
+      std::lock_guard fg(file_mu);
+      g.unlock();
+      write(out);
+    }
+  }
+  void write(const std::string& out) {
+    if (f && !out.empty()) std::fwrite(out.data(), 1, out.size(), f), std::fflush(f);
   }
   void flush_locked() {
-    if (f && !buf.empty()) std::fwrite(buf.data(), 1, buf.size(), f), std::fflush(f);
+    std::lock_guard fg(file_mu);
+    write(buf);
     buf.clear();
   }
   void flush() {

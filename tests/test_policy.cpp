@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -388,28 +389,36 @@ TEST_CASE("trace recording writes every allocation and free in the shared format
   int stream_tag = 0;
   std::uint64_t allocs = 0, frees = 0, traced = 0;
   {
-    options o = small_reservation();
+    options o;
+    o.reservation_size = std::size_t{8} << 30;  // 2 threads x 50 live x up to 3 MB, fragmented
     o.trace_path = path;
     auto a = allocator::host(o);
+    std::atomic<int> thread_errors{0};
     auto work = [&](unsigned seed) {
-      std::vector<std::pair<void*, stream_t>> live;
-      for (unsigned i = 0; i < 50000; ++i) {  // ~2.5 MB of trace: crosses the 1 MiB buffer
-        unsigned r = (seed * 2654435761u + i * 40503u) >> 7;
-        stream_t s = (r & 4) ? static_cast<stream_t>(&stream_tag) : nullptr;
-        if (live.size() < 50 && (r & 1)) {
-          std::size_t n = (r & 8) ? 1 + r % 60000 : 100000 + r % 3000000;
-          live.emplace_back(a.allocate(n, 0, s), s);
-        } else if (!live.empty()) {
-          auto [p, ls] = live.back();
-          live.pop_back();
-          a.deallocate(p, ls);
+      try {
+        std::vector<std::pair<void*, stream_t>> live;
+        for (unsigned i = 0; i < 50000; ++i) {  // ~2.5 MB of trace: crosses the 1 MiB buffer
+          unsigned r = (seed * 2654435761u + i * 40503u) >> 7;
+          stream_t s = (r & 4) ? static_cast<stream_t>(&stream_tag) : nullptr;
+          if (live.size() < 50 && (r & 1)) {
+            std::size_t n = (r & 8) ? 1 + r % 60000 : 100000 + r % 3000000;
+            live.emplace_back(a.allocate(n, 0, s), s);
+          } else if (!live.empty()) {
+            auto [p, ls] = live.back();
+            live.pop_back();
+            a.deallocate(p, ls);
+          }
         }
+        for (auto [p, ls] : live) a.deallocate(p, ls);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "trace test thread: %s\n", e.what());
+        ++thread_errors;
       }
-      for (auto [p, ls] : live) a.deallocate(p, ls);
     };
     std::thread t1(work, 1), t2(work, 2);
     t1.join();
     t2.join();
+    REQUIRE(thread_errors == 0);
     auto s = a.stats();
     allocs = s.allocs;
     frees = s.frees;

@@ -122,7 +122,9 @@ class vmm_scheme final : public scheme {
   std::size_t used_bytes() const override { return kv_.stats().used_bytes; }
   std::string pages() const override {
     const auto s = kv_.stats();
-    return std::to_string(s.pages_reused) + " / " + std::to_string(s.pages_created);
+    std::string r = std::to_string(s.pages_reused);
+    if (s.pages_retained_reused) r += " + " + std::to_string(s.pages_retained_reused) + " still mapped";
+    return r + " / " + std::to_string(s.pages_created);
   }
   std::string check() const override {
     const auto s = kv_.stats();
@@ -467,10 +469,11 @@ int main(int argc, char** argv) {
   cfg.max_tokens = sh.max_tokens;
   vmm::host_backend_options hopt;
   if (o.quick) hopt.granularity = 64 * KiB;  // 512 tokens a page of the quick shape: pages still turn over
-  auto make_kv = [&](std::size_t ahead_pages, std::size_t ahead_tokens = 0) {
+  auto make_kv = [&](std::size_t ahead_pages, std::size_t ahead_tokens = 0, bool retain = false) {
     auto c = cfg;
     c.map_ahead_pages = ahead_pages;
     c.map_ahead_tokens = ahead_tokens;
+    c.retain_closed = retain;
     return on_gpu ? vmm::kv_cache::cuda(c) : vmm::kv_cache::host(c, hopt);
   };
 
@@ -501,6 +504,14 @@ int main(int argc, char** argv) {
     attempt(tokens_model.c_str(),
             [&] { return std::make_unique<vmm_scheme>(make_kv(0, o.ahead_tokens), tokens_model); }, o.model_us);
   }
+  // retain_closed: a new sequence takes a closed slot's pages still mapped (vAttention's reuse).
+  attempt("vmmalloc kv_cache, retain closed",
+          [&] { return std::make_unique<vmm_scheme>(make_kv(0, 0, true), "vmmalloc kv_cache, retain closed"); });
+  const std::string retain_model = "vmmalloc kv_cache, retain closed + map-ahead " + std::to_string(o.ahead_tokens) +
+                                   " tokens, " + std::to_string(o.model_us) + " µs model time/step";
+  if (o.model_us > 0)
+    attempt(retain_model.c_str(),
+            [&] { return std::make_unique<vmm_scheme>(make_kv(0, o.ahead_tokens, true), retain_model); }, o.model_us);
   if (on_gpu || o.quick) {
     auto mem = [&] { return on_gpu ? vmm::replay::make_cuda_malloc(0) : vmm::replay::make_malloc(); };
     attempt("block table", [&] { return std::make_unique<block_scheme>(mem(), sh, slots); });

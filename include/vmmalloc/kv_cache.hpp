@@ -25,10 +25,15 @@
 //    handle, so a page is one handle, one map). A sequence with n tokens needs pages_for(n) =
 //    ceil(n * T / P) pages; appending maps the missing pages, 2 * layers * k maps plus 2 * layers
 //    set_access calls for k pages (one set_access per buffer covers the k adjacent pages).
+//  * Retain (retain_closed): close() leaves the pages mapped; open() picks the closed slot with
+//    the most of them; a mapping that finds the pool short first unmaps retained pages of other
+//    closed slots into it (counted on that path), so physical memory never grows past what the
+//    pool would hold. A new sequence sees the old one's bytes until it writes (as with the pool).
 //  * Pool: close() and truncate() unmap pages and keep their handles; later mappings take a pooled
 //    handle first (map + set_access, no create: a cuMemCreate + cuMemRelease pair saved, ~27 us
-//    for 2 MiB on an H200) and create only when the pool is empty. trim(keep) releases pooled
-//    pages beyond keep; physical memory returns only then.
+//    for 2 MiB on an H200) and create only when the pool is empty. trim(keep) retries parked
+//    work, unmaps retained pages (retain_closed) into the pool and releases pooled pages beyond
+//    keep; physical memory returns only then.
 //  * Map-ahead (map_ahead_pages = a or map_ahead_tokens = t, either > 0): a background thread
 //    keeps each open sequence of n tokens at min(max pages, pages_for(n + t) + a) pages, so append()
 //    makes no driver call while it keeps up. Cost: mapped memory ahead of use. a = 1 holds one
@@ -81,6 +86,11 @@ struct kv_cache_config {
   std::size_t map_ahead_pages = 0;   // whole pages kept mapped ahead of need (see the contract)
   std::size_t map_ahead_tokens = 0;  // tokens kept mapped ahead of need; both 0 = no thread
   std::size_t pool_keep_pages = 0;  // what trim() keeps pooled
+  // close() keeps the sequence's pages mapped in its slot (vAttention's reuse): the next open()
+  // takes the closed slot with the most mapped pages, so a new sequence starts with them at no
+  // driver call. They go back to the pool (unmapped) when a mapping finds the pool short, before
+  // anything is created, and on trim(). Cost: closed slots' pages count as mapped until then.
+  bool retain_closed = false;
 };
 
 using seq_id = std::size_t;  // a slot: the sequence's row in k_base(l) / v_base(l)
@@ -103,6 +113,9 @@ struct kv_cache_stats {
   std::uint64_t map_ahead_failures = 0;      // jobs of the thread that failed and were rolled back
   std::uint64_t append_waits = 0;            // appends that waited for the thread on their slot
   std::uint64_t failures = 0;                // backend calls refused, all paths
+  std::size_t pages_retained = 0;            // now: pages mapped in closed slots (retain_closed)
+  std::uint64_t pages_retained_reused = 0;   // pages a new sequence found mapped at open()
+  std::uint64_t pages_reclaimed = 0;         // retained pages unmapped into the pool for others
 };
 
 class kv_cache {

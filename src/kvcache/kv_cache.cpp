@@ -3,6 +3,7 @@
 #include "vmmalloc/kv_cache.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <condition_variable>
 #include <mutex>
 #include <string>
@@ -182,11 +183,29 @@ struct kv_cache::impl {
   }
 
   // Under the lock: a job for [from, to) of slot s with as many pooled handles as it can use.
-  job plan(std::size_t s, std::size_t from, std::size_t to) {
+  // Under the lock (retain_closed): unmaps retained pages of closed slots other than `except`
+  // into the pool until it holds `want` handles. A refused unmap parks that page as a stray.
+  status reclaim(std::size_t want, std::size_t except, std::uint64_t* path) {
+    status err{};
+    for (std::size_t o = 0; o < slots.size() && pool.size() < want; ++o) {
+      slot& sl = slots[o];
+      if (o == except || sl.open || sl.busy || sl.mapped == 0) continue;
+      const std::size_t before = sl.mapped;
+      status x = unmap_down_to(sl, o, 0, path);
+      st.pages_reclaimed += (before - sl.mapped) * nbuf;
+      if (!x.ok() && err.ok()) err = x;
+    }
+    return err;
+  }
+
+  job plan(std::size_t s, std::size_t from, std::size_t to, std::uint64_t* path) {
     job j;
     j.s = s;
     j.from = from;
     j.to = to;
+    // Retained pages are unmapped for reuse before anything is created (a refusal only parks
+    // pages: the job then creates what the pool lacks).
+    if (cfg.retain_closed && pool.size() < nbuf * (to - from)) (void)reclaim(nbuf * (to - from), s, path);
     const std::size_t want = std::min(pool.size(), nbuf * (to - from));
     j.pooled.assign(pool.end() - static_cast<std::ptrdiff_t>(want), pool.end());
     pool.resize(pool.size() - want);
@@ -233,7 +252,7 @@ struct kv_cache::impl {
 
   // Under the lock: unmaps pages [keep, mapped) of sl into the pool, top page first. A refused
   // unmap (twice) parks that page as a stray; the slot shrinks anyway. Returns the first refusal.
-  status unmap_down_to(slot& sl, std::size_t s, std::size_t keep) {
+  status unmap_down_to(slot& sl, std::size_t s, std::size_t keep, std::uint64_t* path = nullptr) {
     calls c;
     status err{};
     for (std::size_t p = sl.mapped; p-- > keep;) {
@@ -254,7 +273,7 @@ struct kv_cache::impl {
       sl.mapped = keep;
       for (auto& o : slots) o.ahead_failed = false;  // the pool grew: a parked job may fit now
     }
-    account(c, nullptr);
+    account(c, path);
     return err;
   }
 
@@ -294,7 +313,7 @@ struct kv_cache::impl {
         }
       }
       slots[s].busy = true;
-      job j = plan(s, slots[s].mapped, target(slots[s]));
+      job j = plan(s, slots[s].mapped, target(slots[s]), &st.map_ahead_driver_calls);
       lk.unlock();
       run(j);  // the driver's time, with the lock released: append() and k() do not wait
       lk.lock();
@@ -332,6 +351,7 @@ struct kv_cache::impl {
     if (sl.open) bad("sequence already open", "::open: slot " + std::to_string(s) + " is already open");
     wait_not_busy(lk, s);  // the thread never starts on a closed slot; a job it began before close ended
     if (sl.h.empty()) sl.h.assign(nbuf * maxp, 0);
+    st.pages_retained_reused += sl.mapped * nbuf;  // retain_closed: mapped already, no driver call
     sl.open = true;
     sl.tokens = 0;
     sl.ahead_failed = false;
@@ -468,6 +488,9 @@ seq_id kv_cache::open() {
   std::unique_lock lk(m.mu);
   std::size_t s = 0;
   while (s < m.slots.size() && m.slots[s].open) ++s;
+  if (m.cfg.retain_closed)  // the closed slot with the most pages still mapped
+    for (std::size_t o = s + 1; o < m.slots.size(); ++o)
+      if (!m.slots[o].open && m.slots[o].mapped > m.slots[s].mapped) s = o;
   if (s == m.slots.size())
     throw out_of_memory(fail(errc::out_of_memory, "too many sequences"),
                         "vmm::kv_cache::open: all " + std::to_string(m.slots.size()) +
@@ -513,7 +536,7 @@ std::size_t kv_cache::append(seq_id s, std::size_t n) {
       m.account(c, &m.st.append_driver_calls);
       if (!x.ok()) throw_status(x, ctx + ": undoing an earlier failed step");
     }
-    impl::job j = m.plan(s, sl->mapped, need);
+    impl::job j = m.plan(s, sl->mapped, need, &m.st.append_driver_calls);
     m.run(j);
     m.commit(j, &m.st.append_driver_calls);
     if (!j.st.ok()) {
@@ -560,7 +583,8 @@ void kv_cache::close(seq_id s) {
   sl.tokens = 0;
   sl.open = false;
   --m.open_count;
-  status err = m.unmap_down_to(sl, s, 0);
+  // retain_closed: the pages stay mapped for the next open() (or a reclaim, or trim).
+  status err = m.cfg.retain_closed ? status{} : m.unmap_down_to(sl, s, 0);
   lk.unlock();
   m.cv.notify_all();
   if (!err.ok())
@@ -575,8 +599,10 @@ std::size_t kv_cache::trim(std::size_t keep) {
   std::lock_guard g(m.mu);
   calls c;
   std::size_t released = 0;
-  status err{};
-  while (m.pool.size() > keep) {
+  status err = m.clean_strays(c);  // parked unmaps and releases first: giving memory back is why we are here
+  if (err.ok() && m.cfg.retain_closed)  // retained pages are pooled memory too: unmap them first
+    err = m.reclaim(std::numeric_limits<std::size_t>::max(), m.slots.size(), nullptr);
+  while (err.ok() && m.pool.size() > keep) {
     const mem_handle h = m.pool.back();
     err = c.twice([&] { return m.b->release(h); });
     if (!err.ok()) break;  // stays pooled: a later trim retries
@@ -649,6 +675,8 @@ kv_cache_stats kv_cache::stats() const {
   kv_cache_stats s = m.st;
   s.pages_mapped = m.groups_mapped * m.nbuf;
   s.pages_pooled = m.pool.size();
+  for (const auto& sl : m.slots)
+    if (!sl.open) s.pages_retained += sl.mapped * m.nbuf;
   s.mapped_bytes = s.pages_mapped * m.P;
   s.used_bytes = m.tokens_used * m.T * m.nbuf;
   s.open_seqs = m.open_count;

@@ -221,6 +221,99 @@ TEST_CASE("reuse: a closed sequence's pages are mapped again with map + set_acce
   check_live(f);
 }
 
+TEST_CASE("retain_closed: the next sequence takes a closed slot's mapped pages with no driver call") {
+  auto c = small_cfg(4, 1000);
+  c.retain_closed = true;
+  faulty f(c);
+  kv_cache& kv = f.kv;
+  auto a = kv.open(), b = kv.open();
+  kv.append(a, 1000);  // 8 pages x 4 buffers
+  kv.append(b, 10);
+  write_tokens(kv, b, 9, 0, 10);
+  kv.close(a);
+  CHECK(kv.stats().pages_retained == 8 * 4);
+  CHECK(kv.stats().pages_pooled == 0);
+  CHECK(f.st->live_mappings() == 9 * 4);  // still mapped
+  const auto calls = kv.stats().driver_calls;
+  auto n = kv.open();  // the closed slot with the most mapped pages: a's
+  CHECK(n == a);
+  CHECK(kv.mapped_pages(n) == 8);
+  kv.append(n, 1000);
+  CHECK(kv.stats().driver_calls == calls);  // open + a full prefill: no driver call at all
+  CHECK(kv.stats().pages_retained_reused == 8 * 4);
+  CHECK(kv.stats().pages_retained == 0);
+  write_tokens(kv, n, 4, 0, 1000);
+  CHECK(check_tokens(kv, n, 4, 1000) == 0);
+  CHECK(check_tokens(kv, b, 9, 10) == 0);
+  check_live(f);
+}
+
+TEST_CASE("retain_closed: retained pages go to other slots before anything is created; trim releases them") {
+  // 40 pages of physical memory; a full sequence takes 8 x 4 = 32.
+  auto c = small_cfg(4, 1000);
+  c.retain_closed = true;
+  faulty f(c, host_opts(40 * PAGE));
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.append(a, 1000);
+  kv.close(a);  // 32 pages retained in slot a
+  auto b = kv.open(2);  // another slot, explicitly: must take a's pages through the pool
+  const auto creates = f.st->calls(op::create);
+  const auto before = kv.stats();
+  kv.append(b, 1000);  // 32 pages: with the limit of 40, only reuse can serve them
+  CHECK(f.st->calls(op::create) == creates);
+  CHECK(kv.stats().pages_reclaimed == before.pages_reclaimed + 8 * 4);
+  CHECK(kv.stats().append_driver_calls > before.append_driver_calls);  // the unmaps counted here
+  CHECK(kv.stats().pages_retained == 0);
+  write_tokens(kv, b, 7, 0, 1000);
+  CHECK(check_tokens(kv, b, 7, 1000) == 0);
+  kv.close(b);
+  CHECK(kv.stats().pages_retained == 8 * 4);
+  CHECK(kv.trim(0) == 8 * 4);  // retained pages are unmapped and released too
+  CHECK(kv.stats().pages_retained == 0);
+  CHECK(f.host().live_handles() == 0);
+  CHECK(f.host().live_mappings() == 0);
+  check_live(f);
+}
+
+TEST_CASE("retain_closed: a refused unmap while reclaiming is parked; the append still succeeds") {
+  auto c = small_cfg(4, 1000);
+  c.retain_closed = true;
+  faulty f(c);
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.append(a, 300);  // 3 pages x 4
+  kv.close(a);
+  auto b = kv.open(3);
+  f.st->arm(op::unmap, 1, fault::invalid_value, true);  // every unmap refused
+  kv.append(b, 300);  // reclaim fails (pages parked as strays): the job creates instead
+  f.st->disarm();
+  CHECK(kv.length(b) == 300);
+  CHECK(kv.mapped_pages(b) == 3);
+  write_tokens(kv, b, 3, 0, 300);
+  CHECK(check_tokens(kv, b, 3, 300) == 0);
+  kv.close(b);
+  kv.trim(0);
+  check_live(f);
+}
+
+TEST_CASE("retain_closed: destruction with retained pages leaves nothing behind") {
+  auto st = std::make_shared<fault_state>();
+  {
+    auto c = small_cfg(4, 1000, 1);
+    c.retain_closed = true;
+    kv_cache kv(vmm::test::make_fault_host(st, host_opts()), c);
+    auto a = kv.open();
+    kv.append(a, 700);
+    kv.close(a);
+    auto b = kv.open();
+    kv.append(b, 5);
+    kv.wait_map_ahead();
+    CHECK(st->live_handles() > 0);
+  }
+  CHECK(st->nothing_live());
+}
+
 TEST_CASE("truncate unmaps the pages past the new length; trim releases the pool beyond keep") {
   auto c = small_cfg(4, 1000);
   c.pool_keep_pages = 4;

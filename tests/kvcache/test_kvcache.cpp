@@ -95,6 +95,7 @@ std::size_t check_tokens(const kv_cache& kv, vmm::seq_id s, std::uint64_t tag, s
 
 // Live objects agree with what the cache says.
 void check_live(faulty& f) {
+  f.kv.wait_map_ahead();  // the thread may be mid-job (mapped, not yet committed): let it finish
   auto s = f.kv.stats();
   CHECK(f.st->live_handles() == static_cast<std::int64_t>(s.pages_mapped + s.pages_pooled));
   CHECK(f.st->live_mappings() == static_cast<std::int64_t>(s.pages_mapped));

@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "peers.hpp"
+#include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/kv_cache.hpp"
 
 namespace {

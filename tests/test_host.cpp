@@ -10,7 +10,10 @@
 #include <unistd.h>
 
 #include "conformance.hpp"
+#include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.h"
+#include "arena/arena.hpp"
+#include "support/host_alloc.hpp"
 
 namespace {
 
@@ -186,8 +189,7 @@ TEST_CASE("cuda backend: without a driver, construction reports 'no CUDA driver'
 // ---- cross-stream reuse, proven with test-controlled fences ----
 
 TEST_CASE("streams: a block freed on S1 with its fence pending is never handed to S2") {
-  auto a = host_traits::make(conf::small_options());
-  auto* hb = a.backend_as<vmm::host_backend>();
+  auto [hb, a] = vmm::test::make_host_alloc(conf::small_options());
   REQUIRE(hb != nullptr);
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
   for (std::size_t n : {300 * std::size_t{1024}, 300 * MiB}) {  // large and huge paths
@@ -212,8 +214,7 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
 TEST_CASE("streams: small blocks freed on another stream wait for that stream's fence") {
   vmm::options o = conf::small_options();
   o.thread_cache = false;  // the heap's own rules, slot by slot
-  auto a = host_traits::make(o);
-  auto* hb = a.backend_as<vmm::host_backend>();
+  auto [hb, a] = vmm::test::make_host_alloc(o);
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
   // Slabs belong to a stream: S2 never draws from S1's slots while S1 runs.
   hb->hold_stream(s1);
@@ -237,8 +238,7 @@ TEST_CASE("streams: small blocks freed on another stream wait for that stream's 
 }
 
 TEST_CASE("streams: record_stream holds a block until the extra stream's fence completes") {
-  auto a = host_traits::make(conf::small_options());
-  auto* hb = a.backend_as<vmm::host_backend>();
+  auto [hb, a] = vmm::test::make_host_alloc(conf::small_options());
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
   for (std::size_t n : {std::size_t{4096}, 3 * MiB, 300 * MiB}) {  // small, large, huge
     CAPTURE(n);
@@ -261,8 +261,7 @@ TEST_CASE("streams: record_stream holds a block until the extra stream's fence c
 }
 
 TEST_CASE("streams: trim waits only for the fences of chunks it unmaps") {
-  auto a = host_traits::make(conf::small_options());
-  auto* hb = a.backend_as<vmm::host_backend>();
+  auto [hb, a] = vmm::test::make_host_alloc(conf::small_options());
   auto s1 = host_traits::stream(1);
   void* p = a.allocate(300 * MiB, 0, s1);
   a.deallocate(p, s1);  // freed on S1, fence not recorded yet
@@ -282,8 +281,7 @@ TEST_CASE("streams: trim waits only for the fences of chunks it unmaps") {
 TEST_CASE("policy: peers are granted on every mapping with their own mode") {
   vmm::options o = conf::small_options();
   o.peers = {{1, vmm::access_mode::read}};
-  auto a = host_traits::make(o);
-  auto* hb = a.backend_as<vmm::host_backend>();
+  auto [hb, a] = vmm::test::make_host_alloc(o);
   void* p = a.allocate(5 * MiB);
   auto u = reinterpret_cast<std::uintptr_t>(p);
   CHECK(hb->access_of(u, 0) == vmm::access_mode::read_write);

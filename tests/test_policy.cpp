@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "support/fault_backend.hpp"
+#include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.h"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -40,7 +41,7 @@ struct faulty {
   allocator a;
   explicit faulty(const options& o, host_backend_options h = {})
       : a(std::make_unique<test::fault_backend>(make_backend<host_backend>(h), st), o) {}
-  host_backend& host() { return *dynamic_cast<test::fault_backend&>(a.backend()).host(); }
+  host_backend& host() { return *st->host; }
 };
 }  // namespace
 

@@ -25,7 +25,6 @@
 #include <string>
 #include <type_traits>
 
-#include "vmmalloc/device_vector.hpp"  // detail::cpu_can_access
 #include "vmmalloc/vmmalloc.hpp"
 
 #if !defined(VMM_NO_CCCL) && defined(__has_include)
@@ -66,11 +65,9 @@ namespace vmm {
 class pmr_resource final : public std::pmr::memory_resource {
  public:
   explicit pmr_resource(allocator& a) : a_(&a) {
-    const options& o = a.opts();
-    if (o.location == location_kind::host_numa) return;
-    if (detail::cpu_can_access(a.backend(), o.device, o.peers)) return;
+    if (a.host_accessible()) return;
     throw error(status{errc::invalid_value, 0, "memory not host-accessible", "pmr_resource"},
-                std::string("vmm::pmr_resource: the allocator (backend '") + a.backend().name() +
+                std::string("vmm::pmr_resource: the allocator (backend '") + a.backend_name() +
                     "', location device) serves device memory, which the CPU cannot access; use "
                     "the host backend or options.location = vmm::location_kind::host_numa");
   }

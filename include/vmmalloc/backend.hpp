@@ -1,21 +1,34 @@
-// vmmalloc backend seam: the only layer that talks to a driver or the OS.
+// vmmalloc backend contract: the only layer that talks to a driver or the OS. Public for people
+// who write backends; users of the allocator never need it.
 //
-// Contract (stated once, here):
-//  * Every operation returns `status` (or `result<T>`), never throws, and on failure leaves no
-//    half-done state behind: a failed create() holds no memory, a failed map() maps nothing.
-//  * Sizes and offsets given to create/map/unmap/set_access are multiples of granularity().minimum;
-//    virtual addresses are aligned to it. Callers round (arena's job); backends check.
-//  * unmap(va, size) must name exactly a range that one map() mapped (cuMemUnmap's rule).
-//  * A mapped range has no access until set_access() grants it (cuMemMap's rule).
-//  * release(h) may be called while h is still mapped: physical memory returns when the handle is
-//    released AND every mapping of it is gone (driver reference counting; memfd has the same rule).
-//  * import() returns a new handle the caller owns; the shareable handle given stays the caller's.
-//  * Fences order work on streams: record_fence(stream) captures the stream's work so far;
-//    fence_done() only queries (hot path); wait_fence() blocks (slow path only).
+// Contract (stated once, here; tests/backend/contract.hpp checks every rule on every backend):
+//  R1 Every operation returns `status` (or `result<T>`), never throws, and on failure leaves no
+//     half-done state behind: a failed create() holds no memory, a failed map() maps nothing.
+//  R2 Sizes and offsets given to create/map/unmap/set_access are multiples of
+//     granularity().minimum; virtual addresses are aligned to it. Callers round (the mapping
+//     layer's job); backends check and refuse with invalid_value.
+//  R3 unmap(va, size) must name exactly a range that one map() mapped (cuMemUnmap's rule).
+//  R4 A mapped range has no access until set_access() grants it (cuMemMap's rule).
+//  R5 release(h) may be called while h is still mapped: physical memory returns when the handle is
+//     released AND every mapping of it is gone (driver reference counting; memfd has the same
+//     rule). One handle may be mapped at several places at once.
+//  R6 A reservation is freed whole; free_reservation of a range never reserved is refused.
+//  Optional parts, each present only with its capability bits (capabilities() says which):
+//  R7 ipc (cap_export_posix_fd / cap_export_fabric): export_handle() gives a shareable handle the
+//     caller owns; import_handle() returns a new handle the caller owns, the shareable handle given
+//     stays the caller's.
+//  R8 fences (cap_async_fences): record_fence(stream) captures the stream's work so far;
+//     fence_done() only queries (it is on the allocation path: must not block); wait_fence()
+//     blocks (slow path only). Without the part work is synchronous: record_fence gives 0, and
+//     fence 0 is always done.
+//  R9 peers (cap_peer_access): can_access_peer(device, peer). Without it only the owner exists.
+//  R10 compression (cap_compression): query(h) reads back what the driver granted.
+//  A part a backend lacks answers errc::not_supported through the type-erased wrapper.
 //
-// Two backends ship: cuda_backend (driver API loaded at run time) and host_backend (memfd + mmap).
-// Both satisfy the `backend` concept below; the arena works through `any_backend`, a type-erased
-// handle, so arena and heap compile once. Optional parts are gated by capability bits.
+// Two backends ship: cuda_backend.hpp (driver API loaded at run time) and host_backend.hpp (memfd
+// + mmap). Layers above work through `backend_iface`, a type-erased handle made by
+// make_backend<B>(); test and decorator backends derive from `forwarding_backend` and override
+// only what they change.
 #pragma once
 
 #include <array>
@@ -25,49 +38,14 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
+
+#include "vmmalloc/error.hpp"
+#include "vmmalloc/options.hpp"  // location_kind, ipc_kind, access_desc
 
 namespace vmm {
 
-// ---- errors ------------------------------------------------------------------------------------
-
-// What the core needs to know about a failure, independent of the backend.
-enum class errc : int {
-  ok = 0,
-  out_of_memory,   // CUDA_ERROR_OUT_OF_MEMORY, ENOMEM, reservation exhausted
-  invalid_value,   // bad argument (CUDA_ERROR_INVALID_VALUE, EINVAL)
-  not_permitted,   // CUDA_ERROR_NOT_PERMITTED, EPERM/EACCES
-  not_supported,   // CUDA_ERROR_NOT_SUPPORTED, ENOSYS
-  no_driver,       // libcuda.so.1 missing, or cuInit failed with no device
-  invalid_pointer, // front end: pointer not from this allocator / interior / double free
-  other,
-};
-const char* errc_name(errc e) noexcept;
-
-// A backend failure: generic kind + the driver's own code and name + the operation that failed.
-struct status {
-  errc kind = errc::ok;
-  int code = 0;           // CUresult, or errno for the host backend
-  const char* name = "";  // "CUDA_ERROR_OUT_OF_MEMORY", "ENOMEM" (static storage)
-  const char* op = "";    // "cuMemCreate", "mmap" (static storage)
-
-  constexpr bool ok() const noexcept { return kind == errc::ok; }
-  static constexpr status success() noexcept { return {}; }
-  std::string message() const;  // "cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (2)"
-};
-
-template <class T>
-struct result {
-  T value{};
-  status st{};
-  constexpr bool ok() const noexcept { return st.ok(); }
-};
-
-// ---- properties --------------------------------------------------------------------------------
-
-enum class location_kind : std::uint8_t { device, host_numa };
-enum class compression_mode : std::uint8_t { off, prefer, require };
-enum class ipc_kind : std::uint8_t { none, posix_fd, fabric };
-enum class access_mode : std::uint8_t { none, read, read_write };
+// ---- what crosses the seam -----------------------------------------------------------------------
 
 // What a physical chunk is made of. One chunk never mixes property sets.
 struct chunk_props {
@@ -78,15 +56,6 @@ struct chunk_props {
   friend bool operator==(const chunk_props&, const chunk_props&) = default;
 };
 
-// access_desc::device value naming the CPU: host_numa chunks are reachable from the CPU only
-// after an access entry for the host (CU_MEM_LOCATION_TYPE_HOST_NUMA) is set.
-inline constexpr int cpu_device = -1;
-
-struct access_desc {
-  int device = 0;   // device ordinal (host backend: simulated id), or cpu_device
-  access_mode mode = access_mode::read_write;
-};
-
 struct granularity_info {
   std::size_t minimum = 0;
   std::size_t recommended = 0;
@@ -94,7 +63,6 @@ struct granularity_info {
 
 // What the driver actually granted for a created chunk.
 struct chunk_info {
-  std::size_t size = 0;
   bool compressible = false;
 };
 
@@ -122,13 +90,13 @@ enum capability : unsigned {
   cap_async_fences = 1u << 4,  // fences can be pending (GPU streams; host fences under test control)
   cap_host_access = 1u << 5,   // the CPU can read and write mapped memory (host backend)
 };
+inline constexpr unsigned cap_ipc = cap_export_posix_fd | cap_export_fabric;
 
-// ---- the concept -------------------------------------------------------------------------------
+// ---- the concepts: a core and optional parts -----------------------------------------------------
 
 template <class B>
-concept backend = requires(B& b, const chunk_props& p, std::size_t n, std::uintptr_t va,
-                           mem_handle h, std::span<const access_desc> acc, ipc_kind k,
-                           const shareable_handle& sh, stream_t s, fence_t f) {
+concept backend_core = requires(B& b, const chunk_props& p, std::size_t n, std::uintptr_t va,
+                                mem_handle h, std::span<const access_desc> acc) {
   { b.name() } -> std::convertible_to<const char*>;
   { b.capabilities() } -> std::convertible_to<unsigned>;
   { b.granularity(p) } -> std::same_as<result<granularity_info>>;
@@ -136,24 +104,57 @@ concept backend = requires(B& b, const chunk_props& p, std::size_t n, std::uintp
   { b.free_reservation(va, n) } -> std::same_as<status>;
   { b.create(n, p) } -> std::same_as<result<mem_handle>>;
   { b.release(h) } -> std::same_as<status>;
-  { b.query(h) } -> std::same_as<result<chunk_info>>;
   { b.map(va, n, h, n) } -> std::same_as<status>;
   { b.unmap(va, n) } -> std::same_as<status>;
   { b.set_access(va, n, acc) } -> std::same_as<status>;
+  { b.mem_info() } -> std::same_as<result<memory_info>>;
+};
+
+template <class B>
+concept backend_ipc = requires(B& b, mem_handle h, ipc_kind k, const shareable_handle& sh) {
   { b.export_handle(h, k) } -> std::same_as<result<shareable_handle>>;
   { b.import_handle(sh) } -> std::same_as<result<mem_handle>>;
+};
+
+template <class B>
+concept backend_fences = requires(B& b, stream_t s, fence_t f) {
   { b.record_fence(s) } -> std::same_as<result<fence_t>>;
   { b.fence_done(f) } -> std::same_as<bool>;
   { b.wait_fence(f) } -> std::same_as<status>;
   { b.drop_fence(f) } -> std::same_as<void>;
-  { b.mem_info() } -> std::same_as<result<memory_info>>;
-  { b.can_access_peer(0, 1) } -> std::same_as<bool>;
 };
 
-// ---- type erasure ------------------------------------------------------------------------------
+template <class B>
+concept backend_peers = requires(B& b, int d) {
+  { b.can_access_peer(d, d) } -> std::same_as<bool>;
+};
 
-// Virtual interface the arena calls. Cost: one indirect call per driver operation, which is
-// noise next to the driver's 1-100 us per call. Not used on the allocation hot path.
+template <class B>
+concept backend_compression = requires(B& b, mem_handle h) {
+  { b.query(h) } -> std::same_as<result<chunk_info>>;
+};
+
+template <class B>
+concept backend = backend_core<B>;
+
+// The capability bits a type can honour: a bit whose part is missing is never reported.
+template <class B>
+constexpr unsigned implemented_capabilities() {
+  unsigned c = cap_host_access;
+  if constexpr (backend_ipc<B>) c |= cap_ipc;
+  if constexpr (backend_fences<B>) c |= cap_async_fences;
+  if constexpr (backend_peers<B>) c |= cap_peer_access;
+  if constexpr (backend_compression<B>) c |= cap_compression;
+  return c;
+}
+
+inline status not_supported(const char* op) { return {errc::not_supported, 0, "not supported by this backend", op}; }
+
+// ---- type erasure ---------------------------------------------------------------------------------
+
+// The virtual interface every layer above calls. Cost: one indirect call per driver operation,
+// noise next to the driver's 1-100 us per call. fence_done() is the one call on the allocation
+// path (a cross-stream reuse check), and it is a query.
 struct backend_iface {
   virtual ~backend_iface() = default;
   virtual const char* name() = 0;
@@ -163,20 +164,22 @@ struct backend_iface {
   virtual status free_reservation(std::uintptr_t va, std::size_t size) = 0;
   virtual result<mem_handle> create(std::size_t size, const chunk_props&) = 0;
   virtual status release(mem_handle) = 0;
-  virtual result<chunk_info> query(mem_handle) = 0;
   virtual status map(std::uintptr_t va, std::size_t size, mem_handle, std::size_t offset) = 0;
   virtual status unmap(std::uintptr_t va, std::size_t size) = 0;
   virtual status set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc>) = 0;
+  virtual result<memory_info> mem_info() = 0;
+  // optional parts (see the contract)
   virtual result<shareable_handle> export_handle(mem_handle, ipc_kind) = 0;
   virtual result<mem_handle> import_handle(const shareable_handle&) = 0;
   virtual result<fence_t> record_fence(stream_t) = 0;
   virtual bool fence_done(fence_t) = 0;
   virtual status wait_fence(fence_t) = 0;
   virtual void drop_fence(fence_t) = 0;
-  virtual result<memory_info> mem_info() = 0;
   virtual bool can_access_peer(int device, int peer) = 0;
+  virtual result<chunk_info> query(mem_handle) = 0;
 };
 
+// Wraps a concrete backend B: forwards the parts B has, answers not_supported for the rest.
 template <backend B>
 class backend_model final : public backend_iface {
  public:
@@ -184,139 +187,97 @@ class backend_model final : public backend_iface {
   explicit backend_model(A&&... a) : b_(std::forward<A>(a)...) {}
   B& get() noexcept { return b_; }
   const char* name() override { return b_.name(); }
-  unsigned capabilities() override { return b_.capabilities(); }
+  unsigned capabilities() override { return b_.capabilities() & implemented_capabilities<B>(); }
   result<granularity_info> granularity(const chunk_props& p) override { return b_.granularity(p); }
   result<std::uintptr_t> reserve(std::size_t n, std::size_t a) override { return b_.reserve(n, a); }
   status free_reservation(std::uintptr_t va, std::size_t n) override { return b_.free_reservation(va, n); }
   result<mem_handle> create(std::size_t n, const chunk_props& p) override { return b_.create(n, p); }
   status release(mem_handle h) override { return b_.release(h); }
-  result<chunk_info> query(mem_handle h) override { return b_.query(h); }
   status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) override { return b_.map(va, n, h, off); }
   status unmap(std::uintptr_t va, std::size_t n) override { return b_.unmap(va, n); }
   status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) override { return b_.set_access(va, n, a); }
-  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) override { return b_.export_handle(h, k); }
-  result<mem_handle> import_handle(const shareable_handle& s) override { return b_.import_handle(s); }
-  result<fence_t> record_fence(stream_t s) override { return b_.record_fence(s); }
-  bool fence_done(fence_t f) override { return b_.fence_done(f); }
-  status wait_fence(fence_t f) override { return b_.wait_fence(f); }
-  void drop_fence(fence_t f) override { b_.drop_fence(f); }
   result<memory_info> mem_info() override { return b_.mem_info(); }
-  bool can_access_peer(int d, int p) override { return b_.can_access_peer(d, p); }
+
+  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) override {
+    if constexpr (backend_ipc<B>) return b_.export_handle(h, k);
+    else return {{}, not_supported("export_handle")};
+  }
+  result<mem_handle> import_handle(const shareable_handle& s) override {
+    if constexpr (backend_ipc<B>) return b_.import_handle(s);
+    else return {0, not_supported("import_handle")};
+  }
+  result<fence_t> record_fence(stream_t s) override {
+    if constexpr (backend_fences<B>) return b_.record_fence(s);
+    else return {0, {}};  // synchronous: nothing is ever pending
+  }
+  bool fence_done(fence_t f) override {
+    if constexpr (backend_fences<B>) return b_.fence_done(f);
+    else return true;
+  }
+  status wait_fence(fence_t f) override {
+    if constexpr (backend_fences<B>) return b_.wait_fence(f);
+    else return {};
+  }
+  void drop_fence(fence_t f) override {
+    if constexpr (backend_fences<B>) b_.drop_fence(f);
+  }
+  bool can_access_peer(int d, int p) override {
+    if constexpr (backend_peers<B>) return b_.can_access_peer(d, p);
+    else return d == p;
+  }
+  result<chunk_info> query(mem_handle h) override {
+    if constexpr (backend_compression<B>) return b_.query(h);
+    else return {{}, not_supported("query")};
+  }
 
  private:
   B b_;
 };
-
-// ---- host backend ------------------------------------------------------------------------------
-
-// Real host memory with the driver's semantics: memfd chunks, PROT_NONE reservations, MAP_FIXED
-// mappings, mprotect for access, dup for export. Devices are simulated ids (0 = owner, others are
-// peers); the CPU's page protection follows the owner's (device 0's) access mode.
-struct host_backend_options {
-  std::size_t granularity = std::size_t{2} << 20;  // mirrors the GPUs' 2 MiB
-  std::size_t physical_limit = std::size_t{64} << 30;  // simulated device memory (create fails past it)
-  int device_count = 2;                               // simulated devices, for access policies
-  bool fabric_supported = false;                      // simulate fabric export (falls back otherwise)
-};
-
-class host_backend {
- public:
-  explicit host_backend(host_backend_options o = {});
-  ~host_backend();
-  host_backend(host_backend&&) noexcept;
-  host_backend& operator=(host_backend&&) = delete;
-
-  const char* name() { return "host"; }
-  unsigned capabilities();
-  result<granularity_info> granularity(const chunk_props&);
-  result<std::uintptr_t> reserve(std::size_t size, std::size_t align);
-  status free_reservation(std::uintptr_t va, std::size_t size);
-  result<mem_handle> create(std::size_t size, const chunk_props&);
-  status release(mem_handle);
-  result<chunk_info> query(mem_handle);
-  status map(std::uintptr_t va, std::size_t size, mem_handle, std::size_t offset);
-  status unmap(std::uintptr_t va, std::size_t size);
-  status set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc>);
-  result<shareable_handle> export_handle(mem_handle, ipc_kind);
-  result<mem_handle> import_handle(const shareable_handle&);
-  result<fence_t> record_fence(stream_t);
-  bool fence_done(fence_t);
-  status wait_fence(fence_t);
-  void drop_fence(fence_t);
-  result<memory_info> mem_info();
-  bool can_access_peer(int device, int peer);
-
-  // --- test controls (no driver analogue) ---
-  // While a stream is held, fences recorded on it stay pending until complete_stream().
-  void hold_stream(stream_t);
-  void complete_stream(stream_t);  // completes every pending fence of the stream and releases it
-  // Simulated access a device has at va (what cuMemGetAccess would report).
-  access_mode access_of(std::uintptr_t va, int device);
-  // Live object counts, for leak checks.
-  std::size_t live_handles();
-  std::size_t live_mappings();
-  std::size_t live_reservations();
-
- private:
-  struct impl;
-  std::unique_ptr<impl> p_;
-};
-static_assert(backend<host_backend>);
-
-// ---- CUDA backend ------------------------------------------------------------------------------
-
-// The driver API, loaded at run time with dlopen("libcuda.so.1") + cuGetProcAddress: the library
-// has no link-time dependency on libcuda. Construction never fails hard; check `available()`.
-class cuda_backend {
- public:
-  explicit cuda_backend(int device = 0);
-  ~cuda_backend();
-  cuda_backend(cuda_backend&&) noexcept;
-  cuda_backend& operator=(cuda_backend&&) = delete;
-
-  // ok() when the driver loaded, cuInit succeeded and the device exists with VMM support;
-  // otherwise the reason ("no CUDA driver: libcuda.so.1: cannot open shared object file").
-  const status& load_status() const;
-  bool available() const { return load_status().ok(); }
-  const std::string& load_message() const;
-  int device() const;
-
-  const char* name() { return "cuda"; }
-  unsigned capabilities();
-  result<granularity_info> granularity(const chunk_props&);
-  result<std::uintptr_t> reserve(std::size_t size, std::size_t align);
-  status free_reservation(std::uintptr_t va, std::size_t size);
-  result<mem_handle> create(std::size_t size, const chunk_props&);
-  status release(mem_handle);
-  result<chunk_info> query(mem_handle);
-  status map(std::uintptr_t va, std::size_t size, mem_handle, std::size_t offset);
-  status unmap(std::uintptr_t va, std::size_t size);
-  status set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc>);
-  result<shareable_handle> export_handle(mem_handle, ipc_kind);
-  result<mem_handle> import_handle(const shareable_handle&);
-  result<fence_t> record_fence(stream_t);
-  bool fence_done(fence_t);
-  status wait_fence(fence_t);
-  void drop_fence(fence_t);
-  result<memory_info> mem_info();
-  bool can_access_peer(int device, int peer);
-
-  // Device facts for tools (vmm-info): attribute by CUdevice_attribute number; -1 when unknown.
-  int attribute(int cu_attribute, int device) const;
-  int device_count() const;
-  std::string device_name(int device) const;
-  int driver_version() const;
-
- private:
-  struct impl;
-  std::unique_ptr<impl> p_;
-};
-static_assert(backend<cuda_backend>);
 
 // Makes a type-erased backend. `make_backend<host_backend>(opts)`.
 template <backend B, class... A>
 std::unique_ptr<backend_iface> make_backend(A&&... a) {
   return std::make_unique<backend_model<B>>(std::forward<A>(a)...);
 }
+
+// The concrete backend inside a type-erased one (nullptr when it is something else), e.g. a
+// host_backend's test controls.
+template <backend B>
+B* backend_cast(backend_iface& b) {
+  auto* m = dynamic_cast<backend_model<B>*>(&b);
+  return m ? &m->get() : nullptr;
+}
+
+// A decorator base: forwards every call to an inner backend. Fault injection, spies and test
+// devices derive from it and override only the calls they change.
+class forwarding_backend : public backend_iface {
+ public:
+  explicit forwarding_backend(std::unique_ptr<backend_iface> inner) : own_(std::move(inner)), in_(own_.get()) {}
+  explicit forwarding_backend(backend_iface& inner) : in_(&inner) {}  // not owned: must outlive this
+  backend_iface& inner() noexcept { return *in_; }
+  const char* name() override { return in_->name(); }
+  unsigned capabilities() override { return in_->capabilities(); }
+  result<granularity_info> granularity(const chunk_props& p) override { return in_->granularity(p); }
+  result<std::uintptr_t> reserve(std::size_t n, std::size_t a) override { return in_->reserve(n, a); }
+  status free_reservation(std::uintptr_t va, std::size_t n) override { return in_->free_reservation(va, n); }
+  result<mem_handle> create(std::size_t n, const chunk_props& p) override { return in_->create(n, p); }
+  status release(mem_handle h) override { return in_->release(h); }
+  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) override { return in_->map(va, n, h, off); }
+  status unmap(std::uintptr_t va, std::size_t n) override { return in_->unmap(va, n); }
+  status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) override { return in_->set_access(va, n, a); }
+  result<memory_info> mem_info() override { return in_->mem_info(); }
+  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) override { return in_->export_handle(h, k); }
+  result<mem_handle> import_handle(const shareable_handle& s) override { return in_->import_handle(s); }
+  result<fence_t> record_fence(stream_t s) override { return in_->record_fence(s); }
+  bool fence_done(fence_t f) override { return in_->fence_done(f); }
+  status wait_fence(fence_t f) override { return in_->wait_fence(f); }
+  void drop_fence(fence_t f) override { in_->drop_fence(f); }
+  bool can_access_peer(int d, int p) override { return in_->can_access_peer(d, p); }
+  result<chunk_info> query(mem_handle h) override { return in_->query(h); }
+
+ private:
+  std::unique_ptr<backend_iface> own_;
+  backend_iface* in_;
+};
 
 }  // namespace vmm

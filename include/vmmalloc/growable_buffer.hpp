@@ -48,7 +48,8 @@
 #include <vector>
 
 #include "vmmalloc/backend.hpp"
-#include "vmmalloc/vmmalloc.hpp"  // vmm::error, vmm::out_of_memory (the exceptions thrown here)
+#include "vmmalloc/error.hpp"
+#include "vmmalloc/host_backend.hpp"
 
 namespace vmm {
 

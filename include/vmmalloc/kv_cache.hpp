@@ -69,7 +69,8 @@
 #include <vector>
 
 #include "vmmalloc/backend.hpp"
-#include "vmmalloc/vmmalloc.hpp"  // vmm::error, vmm::out_of_memory
+#include "vmmalloc/error.hpp"
+#include "vmmalloc/host_backend.hpp"
 
 namespace vmm {
 

@@ -1,83 +1,32 @@
 // vmmalloc: a growable GPU memory allocator on CUDA's virtual memory management API.
-// The C++ front end. Layering (each includes only the one below):
-//   vmmalloc.hpp (front end) -> heap.hpp -> arena.hpp -> backend.hpp
+// The C++ front end.
 //
 //   vmm::allocator a;                          // CUDA device 0, driver loaded at run time
 //   void* p = a.allocate(1 << 20);             // throws vmm::out_of_memory / vmm::error
 //   a.deallocate(p);
 //   auto h = vmm::allocator::host();           // same semantics over host memory (no GPU)
+//
+// Pulls in only what the allocator's signatures need: errors, options, stats, and the host
+// backend's options. export_ipc's handle type is in <vmmalloc/ipc.hpp>; a custom backend is
+// written against <vmmalloc/backend.hpp>.
 #pragma once
 
 #include <cstddef>
 #include <memory>
-#include <mutex>
-#include <new>
 #include <string>
-#include <system_error>
+#include <vector>
 
-#include "vmmalloc/heap.hpp"
-#include "vmmalloc/ipc.hpp"
+#include "vmmalloc/backend.hpp"
+#include "vmmalloc/error.hpp"
+#include "vmmalloc/host_backend.hpp"
+#include "vmmalloc/options.hpp"
+#include "vmmalloc/stats.hpp"
 
 namespace vmm {
 
-const std::error_category& category() noexcept;
-inline std::error_code make_error_code(errc e) noexcept { return {static_cast<int>(e), category()}; }
-
-// A failure with the driver's code and name: "cuMemMap: CUDA_ERROR_INVALID_VALUE (1)".
-class error : public std::system_error {
- public:
-  error(const status& s, const std::string& what);
-  const char* what() const noexcept override { return what_.c_str(); }  // no category suffix
-  const status& st() const noexcept { return st_; }
-
- private:
-  status st_;
-  std::string what_;
-};
-
-// Out of memory (physical, policy limit, or reservation). Catchable as std::bad_alloc.
-class out_of_memory : public std::bad_alloc {
- public:
-  out_of_memory(const status& s, std::string what) : st_(s), what_(std::move(what)) {}
-  const char* what() const noexcept override { return what_.c_str(); }
-  const status& st() const noexcept { return st_; }
-
- private:
-  status st_;
-  std::string what_;
-};
-
-// Throws the right exception for a failed status (out_of_memory for errc::out_of_memory).
-[[noreturn]] void throw_status(const status& s, const std::string& context);
-
-// The last error on this thread (try_* calls and the C API set it).
-struct last_error_info {
-  status st;
-  std::string message;
-};
-const last_error_info& last_error() noexcept;
-
-// Current values are exact. Peaks of requested/allocated are exact with options.thread_cache off;
-// with thread caches they are sampled on the slow path and may miss up to the bytes the caches
-// hold. Peaks of mapped/physical (the memory figures) are always exact.
-struct allocator_stats {
-  // bytes: current and peak
-  std::size_t requested = 0, allocated = 0, mapped = 0, physical = 0, reserved = 0;
-  std::size_t peak_requested = 0, peak_allocated = 0, peak_mapped = 0, peak_physical = 0;
-  std::size_t chunks = 0, idle = 0, free_chunk_bytes = 0, slab_bytes = 0;
-  std::uint64_t allocs = 0, frees = 0, live = 0, deferred = 0;
-  std::uint64_t grows = 0, chunk_releases = 0, trims = 0, stitched = 0, compression_fallbacks = 0;
-  std::size_t compressed = 0;           // mapped bytes the driver granted compression for
-  std::uint64_t ipc_fallbacks = 0;      // fabric asked for, POSIX fds used
-  std::uint64_t access_changes = 0;     // grant/revoke calls that changed the access table
-  std::uint64_t exported = 0;           // export_ipc calls that succeeded
-  std::uint64_t exported_released = 0;  // exported allocations freed (chunks released, never reused)
-  std::uint64_t traced_events = 0;      // events written by trace recording (options.trace_path)
-  // 1 - requested / mapped: the share of mapped memory not holding requested bytes (0 when
-  // nothing is mapped). Rounding, free blocks in spans, slabs' free slots and cached chunks.
-  double fragmentation = 0;
-  driver_counts calls;                  // calls.map / calls.unmap: chunk maps and unmaps
-};
+namespace ipc {
+struct export_handle;  // <vmmalloc/ipc.hpp>
+}
 
 class allocator {
  public:
@@ -143,22 +92,15 @@ class allocator {
 
   std::size_t granularity() const;
   const options& opts() const;
-  backend_iface& backend();
-  // The concrete backend, e.g. backend_as<host_backend>() for its test controls; null if other.
-  template <vmm::backend B>
-  B* backend_as() {
-    auto* m = dynamic_cast<backend_model<B>*>(&backend());
-    return m ? &m->get() : nullptr;
-  }
-
-  struct impl;  // opaque; public only so the implementation's thread caches can name it
+  const char* backend_name() const;  // "cuda", "host", or a custom backend's name
+  // Whether the CPU can read and write this allocator's memory: pinned host memory (host_numa),
+  // or a backend with host access whose CPU protection follows device 0 with read_write.
+  bool host_accessible() const;
 
  private:
+  struct impl;  // src/frontend/allocator_impl.hpp: heap, arena, thread caches, trace
+  friend struct allocator_access;
   std::unique_ptr<impl> p_;
 };
 
-
 }  // namespace vmm
-
-template <>
-struct std::is_error_code_enum<vmm::errc> : std::true_type {};

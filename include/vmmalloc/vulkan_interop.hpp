@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 // Vulkan handles, declared exactly as vulkan_core.h declares them on 64-bit targets

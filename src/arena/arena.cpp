@@ -1,5 +1,5 @@
 // arena: reservation, holes, chunk table, page map, idle-handle cache. See arena.hpp.
-#include "vmmalloc/arena.hpp"
+#include "arena/arena.hpp"
 
 #include <algorithm>
 #include <cassert>

@@ -7,7 +7,7 @@
 //
 // Cost model: each method is one or two driver calls (1-100 us for VMM calls) plus a context
 // switch-and-restore on the calling thread (two thread-local driver ops, tens of ns).
-#include "vmmalloc/backend.hpp"
+#include "vmmalloc/cuda_backend.hpp"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -242,9 +242,6 @@ struct cuda_backend::impl {
   std::string msg;
   unsigned caps = 0;
 
-  // The driver cannot report a handle's size, so we remember what create() asked for.
-  std::mutex mu;
-  std::unordered_map<mem_handle, std::size_t> sizes;
 
   void fail(status s, const std::string& m) noexcept {
     st = s;
@@ -383,13 +380,6 @@ result<mem_handle> cuda_backend::create(std::size_t size, const chunk_props& pro
   const CUmemAllocationProp prop = make_prop(props);
   CUmemGenericAllocationHandle h = 0;
   if (status s = VMM_CU(d, cuMemCreate, &h, size, &prop, 0); !s.ok()) return fail<mem_handle>(s);
-  try {
-    std::lock_guard lk(p_->mu);
-    p_->sizes[h] = size;
-  } catch (...) {  // no room to remember the size: undo, so a failed create holds no memory
-    d.cuMemRelease_(h);
-    return fail<mem_handle>({errc::out_of_memory, 0, "ENOMEM", "cuda_backend::create"});
-  }
   return {static_cast<mem_handle>(h), {}};
 }
 
@@ -397,12 +387,7 @@ status cuda_backend::release(mem_handle h) {
   if (!available()) return load_status();
   ctx_scope c(p_->ctx);
   if (!c.st().ok()) return c.st();
-  status s = VMM_CU(drv(), cuMemRelease, static_cast<CUmemGenericAllocationHandle>(h));
-  if (s.ok()) {
-    std::lock_guard lk(p_->mu);
-    p_->sizes.erase(h);
-  }
-  return s;
+  return VMM_CU(drv(), cuMemRelease, static_cast<CUmemGenericAllocationHandle>(h));
 }
 
 result<chunk_info> cuda_backend::query(mem_handle h) {
@@ -416,8 +401,6 @@ result<chunk_info> cuda_backend::query(mem_handle h) {
     return fail<chunk_info>(s);
   chunk_info info;
   info.compressible = prop.allocFlags.compressionType == CU_MEM_ALLOCATION_COMP_GENERIC;
-  std::lock_guard lk(p_->mu);
-  if (auto it = p_->sizes.find(h); it != p_->sizes.end()) info.size = it->second;  // else 0: imported
   return {info, {}};
 }
 

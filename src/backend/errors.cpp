@@ -1,7 +1,18 @@
-// Error names and messages shared by every layer.
-#include "vmmalloc/backend.hpp"
+// Errors shared by every layer (error.hpp): names, messages, the error category, the exceptions
+// and the thread's last error. Lives at the lowest layer because every layer returns a status.
+#include "vmmalloc/error.hpp"
 
 namespace vmm {
+
+namespace {
+class category_impl final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "vmmalloc"; }
+  std::string message(int c) const override { return errc_name(static_cast<errc>(c)); }
+};
+
+thread_local last_error_info tl_last;
+}  // namespace
 
 const char* errc_name(errc e) noexcept {
   switch (e) {
@@ -23,6 +34,27 @@ std::string status::message() const {
   m += name && *name ? name : errc_name(kind);
   if (code) m += " (" + std::to_string(code) + ")";
   return m;
+}
+
+const std::error_category& category() noexcept {
+  static category_impl c;
+  return c;
+}
+
+error::error(const status& s, const std::string& what)
+    : std::system_error(make_error_code(s.kind), what), st_(s), what_(what) {}
+
+void throw_status(const status& s, const std::string& context) {
+  std::string msg = context + ": " + s.message();
+  if (s.kind == errc::out_of_memory) throw out_of_memory(s, msg);
+  throw error(s, msg);
+}
+
+const last_error_info& last_error() noexcept { return tl_last; }
+
+void set_last_error(const status& s, const char* context) {
+  tl_last.st = s;
+  tl_last.message = s.ok() ? std::string() : std::string(context) + ": " + s.message();
 }
 
 }  // namespace vmm

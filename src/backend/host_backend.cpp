@@ -16,7 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "vmmalloc/backend.hpp"
+#include "vmmalloc/host_backend.hpp"
 
 namespace vmm {
 
@@ -157,15 +157,17 @@ result<mem_handle> host_backend::create(std::size_t size, const chunk_props& p) 
   }
   int fd = ::memfd_create("vmmalloc", MFD_CLOEXEC);
   int err = fd < 0 ? errno : 0;
+  const char* failed = "memfd_create";
   if (fd >= 0 && ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
     err = errno;
+    failed = "ftruncate";
     ::close(fd);
     fd = -1;
   }
   std::lock_guard g(p_->mu);
   if (fd < 0) {
     p_->created_bytes -= size;
-    return {0, errno_status(err, fd < 0 && err == 0 ? "ftruncate" : "memfd_create")};
+    return {0, errno_status(err, failed)};
   }
   p_->handles[fd] = size;
   p_->accounted[fd] = size;
@@ -192,7 +194,7 @@ result<chunk_info> host_backend::query(mem_handle h) {
   std::lock_guard g(p_->mu);
   auto it = p_->handles.find(static_cast<int>(h));
   if (it == p_->handles.end()) return {{}, errno_status(EBADF, "fstat")};
-  return {{it->second, false}, {}};  // the host never grants compression
+  return {{false}, {}};  // the host never grants compression
 }
 
 status host_backend::map(std::uintptr_t va, std::size_t size, mem_handle h, std::size_t offset) {

@@ -17,24 +17,14 @@
 #include <unordered_map>
 #include <vector>
 
+#include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
+#include "vmmalloc/ipc.hpp"
+#include "heap/heap.hpp"
 
 namespace vmm {
 
 namespace {
-class category_impl final : public std::error_category {
- public:
-  const char* name() const noexcept override { return "vmmalloc"; }
-  std::string message(int c) const override { return errc_name(static_cast<errc>(c)); }
-};
-
-thread_local last_error_info tl_last;
-
-void set_last(const status& s, const char* context) {
-  tl_last.st = s;
-  tl_last.message = s.ok() ? std::string() : std::string(context) + ": " + s.message();
-}
-
 // Counters written only by the owning thread, read by stats() from any thread: relaxed
 // load + store, no locked instruction on the hot path.
 struct owner_counter {
@@ -47,23 +37,13 @@ std::mutex registry_mu;
 std::atomic<std::uint64_t> next_allocator_id{1};
 }  // namespace
 
-const std::error_category& category() noexcept {
-  static category_impl c;
-  return c;
-}
-
-const last_error_info& last_error() noexcept { return tl_last; }
-
-error::error(const status& s, const std::string& what)
-    : std::system_error(make_error_code(s.kind), what), st_(s), what_(what) {}
-
-void throw_status(const status& s, const std::string& context) {
-  std::string msg = context + ": " + s.message();
-  if (s.kind == errc::out_of_memory) throw out_of_memory(s, msg);
-  throw error(s, msg);
-}
-
 struct tcache;
+
+// Internal code names the allocator's private state through this friend.
+struct allocator_access {
+  using impl = allocator::impl;
+};
+using allocator_impl = allocator_access::impl;
 
 // Trace recording (options.trace_path): the shared trace format, one line per event, through a
 // 1 MiB buffer. One mutex per event keeps the lines in the order the calls happened, which the
@@ -160,7 +140,7 @@ struct tcache {
     std::uint32_t n = 0;
     std::vector<entry> e;
   };
-  allocator::impl* owner;  // null once the allocator is gone (under registry_mu)
+  allocator_impl* owner;  // null once the allocator is gone (under registry_mu)
   std::uint64_t tag = 0;   // unique per cache: the heap gives each cache its own slabs
   std::vector<bin> bins;
   owner_counter req_delta, cached_bytes, cached_count, fast_allocs, fast_frees, refilled, flushed;
@@ -175,7 +155,7 @@ struct tl_caches {
   ~tl_caches() {
     std::lock_guard g(registry_mu);
     for (auto& [id, c] : all) {
-      allocator::impl* o = c->owner;
+      allocator_impl* o = c->owner;
       if (!o) continue;
       {
         std::lock_guard h(o->mu);
@@ -335,7 +315,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
     r = m.hp->allocate(bytes, alignment, s);
   }
   if (!r.ok()) {
-    set_last(r.st, "allocate");
+    set_last_error(r.st, "allocate");
     return nullptr;
   }
   if (m.trace) [[unlikely]] m.trace->event('a', r.value, bytes, s);
@@ -344,7 +324,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
 
 void* allocator::allocate(std::size_t bytes, std::size_t alignment, stream_t s) {
   void* p = try_allocate(bytes, alignment, s);
-  if (!p) throw_status(tl_last.st, "vmm::allocator::allocate(" + std::to_string(bytes) + ")");
+  if (!p) throw_status(last_error().st, "vmm::allocator::allocate(" + std::to_string(bytes) + ")");
   return p;
 }
 
@@ -383,7 +363,7 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
     // Under mu: another thread cannot reuse the address and trace its allocation first.
     if (m.trace && st.ok()) [[unlikely]] m.trace->event('f', u, req, s);
   }
-  if (!st.ok()) set_last(st, "deallocate");
+  if (!st.ok()) set_last_error(st, "deallocate");
   return st;
 }
 
@@ -447,7 +427,7 @@ status allocator::try_export_ipc(void* p, ipc::export_handle& out) noexcept {
   } catch (const std::bad_alloc&) {
     st = {errc::out_of_memory, ENOMEM, "host memory for the export handle", "export_ipc"};
   }
-  if (!st.ok()) set_last(st, "export_ipc");
+  if (!st.ok()) set_last_error(st, "export_ipc");
   return st;
 }
 
@@ -588,6 +568,16 @@ std::string allocator::check() const {
 
 std::size_t allocator::granularity() const { return p_->ar->granularity(); }
 const options& allocator::opts() const { return p_->ar->opts(); }
-backend_iface& allocator::backend() { return p_->ar->backend(); }
+const char* allocator::backend_name() const { return p_->ar->backend().name(); }
+
+bool allocator::host_accessible() const {
+  const options& o = opts();
+  if (o.location == location_kind::host_numa) return true;
+  if (!(p_->ar->backend().capabilities() & cap_host_access)) return false;
+  if (o.device == 0) return true;
+  return std::any_of(o.peers.begin(), o.peers.end(), [](const access_desc& p) {
+    return p.device == 0 && p.mode == access_mode::read_write;
+  });
+}
 
 }  // namespace vmm

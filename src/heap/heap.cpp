@@ -1,6 +1,6 @@
 // heap: size classes in slabs (small), TLSF good fit over spans (large), dedicated chunks (huge).
 // See heap.hpp for the invariants and the stream rules.
-#include "vmmalloc/heap.hpp"
+#include "heap/heap.hpp"
 
 #include <algorithm>
 #include <atomic>

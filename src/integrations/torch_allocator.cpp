@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace {

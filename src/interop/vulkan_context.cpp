@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vulkan_interop.hpp"
 
 // The header's forward declarations and vulkan_core.h must name the same types.

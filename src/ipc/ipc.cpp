@@ -1,6 +1,7 @@
 // vmmalloc IPC: the export handle, its byte layout, the Unix-socket transport and import.
 // See include/vmmalloc/ipc.hpp for the contract. Three parts, top to bottom in this file:
 // handle + serialisation (pure), transport (sockets, SCM_RIGHTS, SO_PEERCRED), import (backend).
+#include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/ipc.hpp"
 
 #include <fcntl.h>

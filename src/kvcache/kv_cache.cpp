@@ -1,5 +1,6 @@
 // kv_cache: one reservation, per-(layer, K|V) buffers, pages mapped per sequence, a handle pool and
 // an optional map-ahead thread. See kv_cache.hpp for the layout and the contract.
+#include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/kv_cache.hpp"
 
 #include <algorithm>

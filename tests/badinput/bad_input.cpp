@@ -191,7 +191,7 @@ TEST_CASE("double free: small, second free from another thread") {
 
 TEST_CASE("double free: small, freed on another stream (deferred free)") {
   fixture f;
-  auto* hb = as_fault(f.a->backend())->host();
+  auto* hb = f.st->host;
   stream_t s1 = reinterpret_cast<stream_t>(1), s2 = reinterpret_cast<stream_t>(2);
   hb->hold_stream(s2);
   void* p = f.a->allocate(100, 0, s1);

@@ -93,7 +93,7 @@ TEST_CASE("fault: a refused release is reported once, not again by a later trim 
 TEST_CASE("fault: record_fence failure on a cross-stream small free must not hand the slot out early [regression]") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), small_opts());
-  host_backend* hb = as_fault(a.backend())->host();
+  host_backend* hb = st->host;
   REQUIRE(hb);
   hb->hold_stream(S(2));  // stream 2's work is pending
 
@@ -138,7 +138,7 @@ TEST_CASE("fault: record_fence failure on a cross-stream small free must not han
 TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending stream may use [regression]") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), small_opts());
-  host_backend* hb = as_fault(a.backend())->host();
+  host_backend* hb = st->host;
   REQUIRE(hb);
   hb->hold_stream(S(2));
   void* p = a.allocate(3 * MiB, 0, S(1));  // large path, its own chunk

@@ -202,8 +202,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
     return res;
   }
   res.after_open = st->all_calls();
-  fault_backend* fb = as_fault(a->backend());
-  host_backend* hb = fb ? fb->host() : nullptr;
+  host_backend* hb = st->host;
   if (!hb) {
     problem("no host backend inside the decorator");
     return res;

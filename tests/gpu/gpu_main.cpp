@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gpu_util.cuh"
+#include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace {

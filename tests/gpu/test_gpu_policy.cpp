@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "gpu_util.cuh"
+#include "vmmalloc/cuda_backend.hpp"
+#include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace {

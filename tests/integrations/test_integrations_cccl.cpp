@@ -13,6 +13,8 @@
 #include <type_traits>
 
 #include "vmmalloc/adapters.hpp"
+#include "support/host_alloc.hpp"
+#include "vmmalloc/device_vector.hpp"
 
 #ifndef VMM_HAVE_CUDA_MR
 #error "CCCL's <cuda/memory_resource> is on the include path of this test but adapters.hpp did not enable cuda_resource"
@@ -44,7 +46,7 @@ cudaStream_t cu_tag(std::uintptr_t k) { return reinterpret_cast<cudaStream_t>(k)
 }  // namespace
 
 TEST_CASE("cuda_resource over the host backend: sync and stream-ordered allocation") {
-  auto a = vmm::allocator::host();
+  auto [hb, a] = vmm::test::make_host_alloc();
   vmm::cuda_resource r(a);
   CHECK(&r.upstream() == &a);
 
@@ -61,8 +63,6 @@ TEST_CASE("cuda_resource over the host backend: sync and stream-ordered allocati
   r.deallocate(q, 3 << 20, 4096);
 
   // Stream-ordered: a block freed on a stream whose work is pending is not handed to another one.
-  auto* hb = a.backend_as<vmm::host_backend>();
-  REQUIRE(hb != nullptr);
   hb->hold_stream(tag(0x10));
   void* s1 = r.allocate_async(1 << 20, 256, cuda::stream_ref(cu_tag(0x10)));
   REQUIRE(s1 != nullptr);

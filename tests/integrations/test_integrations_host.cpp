@@ -30,32 +30,12 @@ constexpr std::size_t MiB = std::size_t{1} << 20, G = 2 * MiB;
 // Forwards to a host backend, but without cap_host_access: memory the vector must treat as
 // device memory (no operator[] / at(), copies through a copier). Keeps the host backend reachable
 // for its live counts.
-class device_like final : public vmm::backend_iface {
+class device_like final : public vmm::forwarding_backend {
  public:
-  device_like() : in_(vmm::make_backend<vmm::host_backend>()) {}
-  vmm::host_backend& host() { return dynamic_cast<vmm::backend_model<vmm::host_backend>&>(*in_).get(); }
+  device_like() : forwarding_backend(vmm::make_backend<vmm::host_backend>()) {}
+  vmm::host_backend& host() { return *vmm::backend_cast<vmm::host_backend>(inner()); }
   const char* name() override { return "device-like"; }
-  unsigned capabilities() override { return in_->capabilities() & ~unsigned{vmm::cap_host_access}; }
-  vmm::result<vmm::granularity_info> granularity(const vmm::chunk_props& p) override { return in_->granularity(p); }
-  vmm::result<std::uintptr_t> reserve(std::size_t n, std::size_t a) override { return in_->reserve(n, a); }
-  vmm::status free_reservation(std::uintptr_t va, std::size_t n) override { return in_->free_reservation(va, n); }
-  vmm::result<vmm::mem_handle> create(std::size_t n, const vmm::chunk_props& p) override { return in_->create(n, p); }
-  vmm::status release(vmm::mem_handle h) override { return in_->release(h); }
-  vmm::result<vmm::chunk_info> query(vmm::mem_handle h) override { return in_->query(h); }
-  vmm::status map(std::uintptr_t va, std::size_t n, vmm::mem_handle h, std::size_t o) override { return in_->map(va, n, h, o); }
-  vmm::status unmap(std::uintptr_t va, std::size_t n) override { return in_->unmap(va, n); }
-  vmm::status set_access(std::uintptr_t va, std::size_t n, std::span<const vmm::access_desc> a) override { return in_->set_access(va, n, a); }
-  vmm::result<vmm::shareable_handle> export_handle(vmm::mem_handle h, vmm::ipc_kind k) override { return in_->export_handle(h, k); }
-  vmm::result<vmm::mem_handle> import_handle(const vmm::shareable_handle& s) override { return in_->import_handle(s); }
-  vmm::result<vmm::fence_t> record_fence(vmm::stream_t s) override { return in_->record_fence(s); }
-  bool fence_done(vmm::fence_t f) override { return in_->fence_done(f); }
-  vmm::status wait_fence(vmm::fence_t f) override { return in_->wait_fence(f); }
-  void drop_fence(vmm::fence_t f) override { in_->drop_fence(f); }
-  vmm::result<vmm::memory_info> mem_info() override { return in_->mem_info(); }
-  bool can_access_peer(int d, int p) override { return in_->can_access_peer(d, p); }
-
- private:
-  std::unique_ptr<vmm::backend_iface> in_;
+  unsigned capabilities() override { return inner().capabilities() & ~unsigned{vmm::cap_host_access}; }
 };
 
 // A host backend whose live counts stay readable: the vector owns the backend.

@@ -27,6 +27,7 @@
 
 #include "gpu_ipc_kernels.cuh"
 #include "ipc_test_util.hpp"
+#include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 

@@ -29,39 +29,19 @@ constexpr std::size_t G = 2 * MiB;  // the GPUs' granularity, mirrored by host_b
 host_backend& host_of(backend_iface& b) { return static_cast<backend_model<host_backend>&>(b).get(); }
 
 // Records reserve() sizes and set_access() ranges on the way to the inner backend.
-class spy_backend final : public backend_iface {
+class spy_backend final : public forwarding_backend {
  public:
-  explicit spy_backend(backend_iface& in) : in_(in) {}
+  explicit spy_backend(backend_iface& in) : forwarding_backend(in) {}
   std::vector<std::size_t> reserves;
   std::vector<std::pair<std::uintptr_t, std::size_t>> accesses;
-  const char* name() override { return in_.name(); }
-  unsigned capabilities() override { return in_.capabilities(); }
-  result<granularity_info> granularity(const chunk_props& p) override { return in_.granularity(p); }
   result<std::uintptr_t> reserve(std::size_t n, std::size_t a) override {
     reserves.push_back(n);
-    return in_.reserve(n, a);
+    return inner().reserve(n, a);
   }
-  status free_reservation(std::uintptr_t va, std::size_t n) override { return in_.free_reservation(va, n); }
-  result<mem_handle> create(std::size_t n, const chunk_props& p) override { return in_.create(n, p); }
-  status release(mem_handle h) override { return in_.release(h); }
-  result<chunk_info> query(mem_handle h) override { return in_.query(h); }
-  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t o) override { return in_.map(va, n, h, o); }
-  status unmap(std::uintptr_t va, std::size_t n) override { return in_.unmap(va, n); }
   status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) override {
     accesses.emplace_back(va, n);
-    return in_.set_access(va, n, a);
+    return inner().set_access(va, n, a);
   }
-  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) override { return in_.export_handle(h, k); }
-  result<mem_handle> import_handle(const shareable_handle& s) override { return in_.import_handle(s); }
-  result<fence_t> record_fence(stream_t s) override { return in_.record_fence(s); }
-  bool fence_done(fence_t f) override { return in_.fence_done(f); }
-  status wait_fence(fence_t f) override { return in_.wait_fence(f); }
-  void drop_fence(fence_t f) override { in_.drop_fence(f); }
-  result<memory_info> mem_info() override { return in_.mem_info(); }
-  bool can_access_peer(int d, int p) override { return in_.can_access_peer(d, p); }
-
- private:
-  backend_iface& in_;
 };
 
 // The consumer's side, run in a child: receive, import, check the parent's bytes, write the reply

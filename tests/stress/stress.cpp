@@ -257,7 +257,7 @@ int main(int argc, char** argv) {
   {
     allocator a(make_fault_host(st, h), o);
     shared_pool pool;
-    host_backend* hb = as_fault(a.backend())->host();
+    host_backend* hb = st->host;
     std::atomic<bool> done{false};
     std::atomic<std::uint64_t> holds{0};
     std::thread holder;

@@ -34,7 +34,7 @@ options opts() {
 TEST_CASE("streams: growth next to a free tail held by a pending stream serves the request [regression: heap::add_span_range]") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), opts());
-  host_backend* hb = as_fault(a.backend())->host();
+  host_backend* hb = st->host;
   REQUIRE(hb);
   hb->hold_stream(S(2));
   void* x = a.allocate(1 * MiB, 0, S(1));  // first chunk: [x: 1 MiB][free tail: 1 MiB]
@@ -99,7 +99,7 @@ TEST_CASE("streams: a free covered by a completed fence stays usable when a newe
   o.thread_cache = false;
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), o);
-  host_backend* hb = as_fault(a.backend())->host();
+  host_backend* hb = st->host;
   REQUIRE(hb);
   // span P: [x 1 MiB][t 7 MiB] at the base
   void* x = a.allocate(1 * MiB, 0, S(1));

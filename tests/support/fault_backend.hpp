@@ -26,6 +26,7 @@
 #include <string>
 
 #include "vmmalloc/backend.hpp"
+#include "vmmalloc/host_backend.hpp"
 
 namespace vmm::test {
 
@@ -155,6 +156,9 @@ class fault_state {
     return true;
   }
   std::atomic<std::int64_t> handles_{0}, mappings_{0}, reservations_{0};
+  // The host backend under the decorator (set by fault_backend): its test controls (hold_stream,
+  // live counts) stay reachable through the state the test keeps.
+  host_backend* host = nullptr;
 
  private:
   mutable std::mutex mu_;
@@ -167,21 +171,16 @@ class fault_state {
   std::atomic<std::uint64_t> injected_{0};
 };
 
-class fault_backend final : public backend_iface {
+class fault_backend final : public forwarding_backend {
  public:
   fault_backend(std::unique_ptr<backend_iface> inner, std::shared_ptr<fault_state> st)
-      : in_(std::move(inner)), st_(std::move(st)) {}
-
-  fault_state& state() { return *st_; }
-  backend_iface& inner() { return *in_; }
-  // The inner host backend (test controls: hold_stream, live counts), or null.
-  host_backend* host() {
-    auto* m = dynamic_cast<backend_model<host_backend>*>(in_.get());
-    return m ? &m->get() : nullptr;
+      : forwarding_backend(std::move(inner)), in_(&this->inner()), st_(std::move(st)) {
+    st_->host = backend_cast<host_backend>(*in_);  // the newest decorator on this state
   }
 
-  const char* name() override { return in_->name(); }
-  unsigned capabilities() override { return in_->capabilities(); }
+  fault_state& state() { return *st_; }
+  // The inner host backend (test controls: hold_stream, live counts), or null.
+  host_backend* host() { return backend_cast<host_backend>(*in_); }
 
   result<granularity_info> granularity(const chunk_props& p) override {
     status e;
@@ -257,22 +256,19 @@ class fault_backend final : public backend_iface {
     if (st_->on_call(op::record_fence, e)) return {0, e};
     return in_->record_fence(s);
   }
-  bool fence_done(fence_t f) override { return in_->fence_done(f); }
   status wait_fence(fence_t f) override {
     status e;
     if (st_->on_call(op::wait_fence, e)) return e;
     return in_->wait_fence(f);
   }
-  void drop_fence(fence_t f) override { in_->drop_fence(f); }
   result<memory_info> mem_info() override {
     status e;
     if (st_->on_call(op::mem_info, e)) return {{}, e};
     return in_->mem_info();
   }
-  bool can_access_peer(int d, int p) override { return in_->can_access_peer(d, p); }
 
  private:
-  std::unique_ptr<backend_iface> in_;
+  backend_iface* in_;
   std::shared_ptr<fault_state> st_;
 };
 
@@ -282,7 +278,7 @@ inline std::unique_ptr<backend_iface> make_fault_host(std::shared_ptr<fault_stat
   return std::make_unique<fault_backend>(make_backend<host_backend>(h), std::move(st));
 }
 
-// The decorator inside an allocator's backend() (null if it is something else).
+// The decorator inside a growable_buffer's or kv_cache's backend() (null if it is something else).
 inline fault_backend* as_fault(backend_iface& b) { return dynamic_cast<fault_backend*>(&b); }
 
 }  // namespace vmm::test

@@ -5,7 +5,8 @@
 //
 // Read-only: it queries attributes and granularities, never allocates (no cuMemCreate, and
 // never cuMulticastCreate: multicast support is reported from the attribute alone).
-#include <vmmalloc/backend.hpp>
+#include <vmmalloc/cuda_backend.hpp>
+#include <vmmalloc/host_backend.hpp>
 
 #include <cuda.h>  // CU_DEVICE_ATTRIBUTE_* numbers only; the driver is reached through cuda_backend
 

@@ -28,47 +28,10 @@
 #include <vector>
 
 #include "vmmalloc/backend.hpp"
+#include "vmmalloc/options.hpp"
+#include "vmmalloc/stats.hpp"
 
 namespace vmm {
-
-// ---- the options table: every tuning knob, its default and why -------------------------------
-struct options {
-  int device = 0;                                  // owner device (host backend: simulated id)
-  std::vector<access_desc> peers;                  // extra devices granted on every mapping
-  location_kind location = location_kind::device;  // device memory, or pinned host (host_numa)
-  compression_mode compression = compression_mode::off;  // prefer: fall back silently; require: fail
-  ipc_kind ipc = ipc_kind::none;                   // exportable handles (posix_fd, fabric)
-  std::size_t reservation_size = 0;                // VA reserved once; 0 = 2 x device memory
-  std::size_t memory_limit = std::numeric_limits<std::size_t>::max();  // cap on physical bytes
-  std::size_t min_chunk = 0;                       // smallest growth; 0 = granularity (2 MiB)
-  // Geometric growth (2, 4, 8 MiB ...) stops doubling here. Shared trace on the host backend:
-  // 2 MiB -> peak physical/live 1.008 with 2248 driver calls; 8 MiB -> 1.012, 1481 calls;
-  // 32 MiB -> 1.042, 560 calls. 8 MiB keeps both the footprint and the driver time low.
-  std::size_t max_growth = std::size_t{8} << 20;
-  std::size_t release_threshold = std::numeric_limits<std::size_t>::max();  // free bytes kept mapped
-  // Chunks in multiples of the driver's recommended granularity instead of its minimum (what NCCL
-  // uses for buffers it registers; equal to the minimum, 2 MiB, on H100/H200).
-  bool recommended_granularity = false;
-  bool stitch_on_grow = true;   // before creating memory, unmap wholly free chunks and reuse them
-  std::size_t alignment = 256;  // default alignment (cudaMalloc's guarantee, CCCL assumes it)
-  std::size_t small_max = std::size_t{64} << 10;   // <= this: size classes in slabs
-  std::size_t huge_threshold = std::size_t{256} << 20;  // >= this: a dedicated chunk
-  bool thread_cache = true;     // per-thread stacks of small slots: no lock on the hot path
-  std::size_t thread_cache_slots = 32;  // per class and thread (refill / flush half of it)
-  // Trace recording: every allocation and free, in the shared trace format (a ADDR SIZE STREAM /
-  // f ADDR SIZE STREAM), written through a 1 MiB buffer, for vmm-replay. "" = off (no cost).
-  // On: one uncontended mutex per event, thread caches included (bench/RESULTS.md: overhead).
-  std::string trace_path;
-};
-
-struct driver_counts {
-  std::uint64_t reserve = 0, free_reservation = 0, create = 0, release = 0, map = 0, unmap = 0,
-                set_access = 0, export_handle = 0, import_handle = 0, failures = 0;
-  std::uint64_t total() const {
-    return reserve + free_reservation + create + release + map + unmap + set_access +
-           export_handle + import_handle;
-  }
-};
 
 struct arena_stats {
   std::size_t reserved = 0, mapped = 0, physical = 0, idle = 0, free_chunk_bytes = 0;

@@ -34,7 +34,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "vmmalloc/arena.hpp"
+#include "arena/arena.hpp"
 
 namespace vmm {
 
@@ -46,16 +46,6 @@ struct heap_stats {
   std::uint64_t slabs = 0, huge_live = 0, deferred = 0;  // deferred: frees waiting on fences
   std::uint64_t grows = 0, chunk_releases = 0, trims = 0;
   std::uint64_t exported_released = 0;  // exported allocations freed (chunks released, not reused)
-};
-
-// Occupancy of one size class (small path), for diagnostics.
-struct class_occupancy {
-  std::size_t slot_size = 0;      // bytes per slot
-  std::size_t slabs = 0;          // slabs (one page each) of this class
-  std::size_t slots = 0;          // slots in those slabs
-  std::size_t used_slots = 0;     // slots not free in the heap: live, thread-cached or pending free
-  std::size_t cached_slots = 0;   // of which held by thread caches
-  std::size_t live_bytes = 0;     // bytes requested by the live slots
 };
 
 class heap {

@@ -1,0 +1,67 @@
+// vmmalloc host backend: real host memory with the driver's semantics, so every layer above runs
+// without a GPU (CI). memfd chunks, PROT_NONE reservations, MAP_FIXED mappings, mprotect for
+// access, dup for export. Devices are simulated ids (0 = owner, others are peers); the CPU's page
+// protection follows the owner's (device 0's) access mode.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "vmmalloc/backend.hpp"
+
+namespace vmm {
+
+struct host_backend_options {
+  std::size_t granularity = std::size_t{2} << 20;  // mirrors the GPUs' 2 MiB
+  std::size_t physical_limit = std::size_t{64} << 30;  // simulated device memory (create fails past it)
+  int device_count = 2;                               // simulated devices, for access policies
+  bool fabric_supported = false;                      // simulate fabric export (falls back otherwise)
+};
+
+class host_backend {
+ public:
+  explicit host_backend(host_backend_options o = {});
+  ~host_backend();
+  host_backend(host_backend&&) noexcept;
+  host_backend& operator=(host_backend&&) = delete;
+
+  const char* name() { return "host"; }
+  unsigned capabilities();
+  result<granularity_info> granularity(const chunk_props&);
+  result<std::uintptr_t> reserve(std::size_t size, std::size_t align);
+  status free_reservation(std::uintptr_t va, std::size_t size);
+  result<mem_handle> create(std::size_t size, const chunk_props&);
+  status release(mem_handle);
+  result<chunk_info> query(mem_handle);
+  status map(std::uintptr_t va, std::size_t size, mem_handle, std::size_t offset);
+  status unmap(std::uintptr_t va, std::size_t size);
+  status set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc>);
+  result<shareable_handle> export_handle(mem_handle, ipc_kind);
+  result<mem_handle> import_handle(const shareable_handle&);
+  result<fence_t> record_fence(stream_t);
+  bool fence_done(fence_t);
+  status wait_fence(fence_t);
+  void drop_fence(fence_t);
+  result<memory_info> mem_info();
+  bool can_access_peer(int device, int peer);
+
+  // --- test controls (no driver analogue) ---
+  // While a stream is held, fences recorded on it stay pending until complete_stream().
+  void hold_stream(stream_t);
+  void complete_stream(stream_t);  // completes every pending fence of the stream and releases it
+  // Simulated access a device has at va (what cuMemGetAccess would report).
+  access_mode access_of(std::uintptr_t va, int device);
+  // Live object counts, for leak checks.
+  std::size_t live_handles();
+  std::size_t live_mappings();
+  std::size_t live_reservations();
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> p_;
+};
+static_assert(backend<host_backend>);
+static_assert(backend_ipc<host_backend> && backend_fences<host_backend> && backend_peers<host_backend> &&
+              backend_compression<host_backend>);
+
+}  // namespace vmm

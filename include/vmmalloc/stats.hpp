@@ -1,0 +1,57 @@
+// vmmalloc statistics: what allocator::stats() and class_stats() report.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace vmm {
+
+// Backend calls, attempts counted (a retry is a second call), by kind. Counted in one place: the
+// mapping layer's driver wrapper (src/vm/driver.hpp).
+struct driver_counts {
+  // Memory management: what total() sums (each ~1-600 us on the driver, ANCHORS.md).
+  std::uint64_t reserve = 0, free_reservation = 0, create = 0, release = 0, map = 0, unmap = 0,
+                set_access = 0, export_handle = 0, import_handle = 0;
+  // Queries and stream fences: cheap, counted apart.
+  std::uint64_t granularity = 0, query = 0, mem_info = 0, record_fence = 0, fence_query = 0,
+                wait_fence = 0;
+  std::uint64_t failures = 0;  // calls of any kind the backend refused
+  std::uint64_t total() const {
+    return reserve + free_reservation + create + release + map + unmap + set_access +
+           export_handle + import_handle;
+  }
+};
+
+// Current values are exact. Peaks of requested/allocated are exact with options.thread_cache off;
+// with thread caches they are sampled on the slow path and may miss up to the bytes the caches
+// hold. Peaks of mapped/physical (the memory figures) are always exact.
+struct allocator_stats {
+  // bytes: current and peak
+  std::size_t requested = 0, allocated = 0, mapped = 0, physical = 0, reserved = 0;
+  std::size_t peak_requested = 0, peak_allocated = 0, peak_mapped = 0, peak_physical = 0;
+  std::size_t chunks = 0, idle = 0, free_chunk_bytes = 0, slab_bytes = 0;
+  std::uint64_t allocs = 0, frees = 0, live = 0, deferred = 0;
+  std::uint64_t grows = 0, chunk_releases = 0, trims = 0, stitched = 0, compression_fallbacks = 0;
+  std::size_t compressed = 0;           // mapped bytes the driver granted compression for
+  std::uint64_t ipc_fallbacks = 0;      // fabric asked for, POSIX fds used
+  std::uint64_t access_changes = 0;     // grant/revoke calls that changed the access table
+  std::uint64_t exported = 0;           // export_ipc calls that succeeded
+  std::uint64_t exported_released = 0;  // exported allocations freed (chunks released, never reused)
+  std::uint64_t traced_events = 0;      // events written by trace recording (options.trace_path)
+  // 1 - requested / mapped: the share of mapped memory not holding requested bytes (0 when
+  // nothing is mapped). Rounding, free blocks in spans, slabs' free slots and cached chunks.
+  double fragmentation = 0;
+  driver_counts calls;                  // calls.map / calls.unmap: chunk maps and unmaps
+};
+
+// Occupancy of one size class (small path), for diagnostics.
+struct class_occupancy {
+  std::size_t slot_size = 0;      // bytes per slot
+  std::size_t slabs = 0;          // slabs (one page each) of this class
+  std::size_t slots = 0;          // slots in those slabs
+  std::size_t used_slots = 0;     // slots not free in the heap: live, thread-cached or pending free
+  std::size_t cached_slots = 0;   // of which held by thread caches
+  std::size_t live_bytes = 0;     // bytes requested by the live slots
+};
+
+}  // namespace vmm

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cassert>
 
+#include "vm/granularity.hpp"
+
 namespace vmm {
 
 namespace {
@@ -11,135 +13,76 @@ constexpr std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1
 status fail(errc k, const char* op, const char* name) { return {k, 0, name, op}; }
 }  // namespace
 
-arena::arena(std::unique_ptr<backend_iface> b, const options& o) : b_(std::move(b)), opt_(o) {
-  props_.location = opt_.location;
-  props_.id = opt_.device;
-  props_.compressible = opt_.compression != compression_mode::off;
-  props_.ipc = opt_.ipc;
-}
+arena::arena(std::unique_ptr<backend_iface> b, const options& o) : b_(std::move(b)), drv_(b_.get()), opt_(o) {}
 
 status arena::open() {
   if (!b_) return fail(errc::invalid_value, "arena", "no backend");
-  unsigned caps = b_->capabilities();
-  if (props_.compressible && !(caps & cap_compression)) {
-    if (opt_.compression == compression_mode::require)
-      return fail(errc::not_supported, "arena", "compression not supported by this device");
-    props_.compressible = false;  // prefer: fall back, counted
-    ++compression_fallbacks_;
+  policies_ = policy::make_policies(opt_);
+  for (auto& p : policies_) {
+    if (status s = p->open(drv_, opt_, pol_); !s.ok()) return s;
+    whole_chunks_ = whole_chunks_ || p->whole_chunks(opt_);
   }
-  if (props_.ipc == ipc_kind::fabric && !(caps & cap_export_fabric)) {
-    props_.ipc = ipc_kind::posix_fd;  // as NCCL does: fabric where the device has it, else fds
-    ++ipc_fallbacks_;
-  }
-  if (props_.ipc == ipc_kind::posix_fd && !(caps & cap_export_posix_fd))
-    return fail(errc::not_supported, "arena", "POSIX fd export not supported by this device");
-
   // Granularity: the largest among the devices involved (owner and peers).
-  auto g = b_->granularity(props_);
+  auto g = vm::granularity_for(drv_, pol_.props, pol_.access, opt_.recommended_granularity);
   if (!g.ok()) return g.st;
-  auto pick = [&](const granularity_info& gi) {
-    return opt_.recommended_granularity && gi.recommended ? gi.recommended : gi.minimum;
-  };
-  gran_ = pick(g.value);
-  for (auto& p : opt_.peers) {
-    if (p.device == opt_.device) continue;
-    if (!b_->can_access_peer(p.device, opt_.device))
-      return fail(errc::invalid_value, "arena", "peer device cannot access the owner device (cuDeviceCanAccessPeer, or no VMM support)");
-    chunk_props pp = props_;
-    pp.id = p.device;
-    auto pg = b_->granularity(pp);
-    if (!pg.ok()) return pg.st;
-    gran_ = std::max(gran_, pick(pg.value));
-  }
-  if (gran_ == 0 || (gran_ & (gran_ - 1))) return fail(errc::invalid_value, "arena", "bad granularity");
+  gran_ = g.value;
   gran_shift_ = static_cast<unsigned>(__builtin_ctzll(gran_));
   if (opt_.min_chunk == 0) opt_.min_chunk = gran_;
   opt_.min_chunk = round_up(opt_.min_chunk, gran_);
 
-  access_.push_back({opt_.device, access_mode::read_write});
-  // Pinned host memory (host_numa) is reachable from the CPU only once the host is granted too.
-  if (opt_.location == location_kind::host_numa) access_.push_back({cpu_device, access_mode::read_write});
-  for (auto& p : opt_.peers)
-    if (p.device != opt_.device) access_.push_back(p);
-
   std::size_t size = opt_.reservation_size;
   if (size == 0) {
-    auto mi = b_->mem_info();
+    auto mi = drv_.mem_info();
     size = mi.ok() && mi.value.total ? 2 * mi.value.total : std::size_t{64} << 30;
   }
   size = round_up(size, gran_);
   if (size < gran_ || size / gran_ > std::numeric_limits<std::uint32_t>::max())
     return fail(errc::invalid_value, "arena", "reservation size out of range");
-  ++calls_.reserve;
-  auto r = b_->reserve(size, gran_);
-  if (!r.ok()) {
-    ++calls_.failures;
-    return r.st;
-  }
-  base_ = r.value;
-  size_ = size;
+  if (status s = res_.open(drv_, size, gran_); !s.ok()) return s;
   page_map_.assign(size / gran_, no_chunk);
-  holes_.emplace(base_, size_);
+  holes_.emplace(res_.base(), size);
   return {};
 }
 
 arena::~arena() {
   if (!b_) return;
-  // Teardown cannot report errors: each step is retried once (a driver call refused once, as in
-  // the fault-injection sweep, must not leak a handle, a mapping or the reservation).
-  auto twice = [](auto&& f) { if (!f().ok()) f(); };
-  for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
-    auto& c = chunks_[id];
+  // Teardown cannot report errors: each step is made once more if refused (a driver call refused
+  // once, as in the fault-injection sweep, must not leak a handle, a mapping or the reservation).
+  for (auto& c : chunks_) {
     if (!c.size) continue;
-    if (c.fence) b_->wait_fence(c.fence), b_->drop_fence(c.fence);
-    twice([&] { return b_->unmap(c.va, c.size); });
-    twice([&] { return b_->release(c.handle); });
+    (void)vm::driver::twice([&] { return drv_.unmap(c.va, c.size); });
+    (void)vm::driver::twice([&] { return drv_.release(c.handle); });
   }
-  for (auto& e : idle_) twice([&] { return b_->release(e.second); });
-  if (size_) twice([&] { return b_->free_reservation(base_, size_); });
+  for (auto& e : idle_) (void)vm::driver::twice([&] { return drv_.release(e.second); });
+  (void)strays_.retry(drv_);
+  (void)res_.reset();
+}
+
+void arena::idle_put(mem_handle h, std::size_t size) {
+  idle_.emplace(size, h);
+  idle_bytes_ += size;
 }
 
 void arena::release_or_park(mem_handle h, std::size_t size) {
-  ++calls_.release;
-  status st = b_->release(h);
+  status st = drv_.release(h);
   if (st.ok()) return;
-  // Refused: the handle is still ours. Keep it as idle memory; release_idle() or teardown retries.
-  ++calls_.failures;
-  idle_.emplace(size, h);
-  idle_bytes_ += size;
+  // Refused: the handle is still ours. Parked; release_idle(), the next mapping or teardown retry.
+  strays_.add_handle(h, size);
   if (parked_error_.ok()) parked_error_ = st;
 }
 
-result<mem_handle> arena::create_handle(std::size_t size) {
-  ++calls_.create;
-  auto h = b_->create(size, props_);
-  if (!h.ok() && props_.ipc == ipc_kind::fabric &&
-      (h.st.kind == errc::not_permitted || h.st.kind == errc::not_supported) &&
-      (b_->capabilities() & cap_export_posix_fd)) {
-    // Fabric handles need an IMEX channel; without one the driver refuses (NOT_PERMITTED).
-    // Fall back to POSIX fds for this and every later chunk, counted.
-    ++calls_.failures;
-    props_.ipc = ipc_kind::posix_fd;
-    ++ipc_fallbacks_;
-    ++calls_.create;
-    h = b_->create(size, props_);
+status arena::retry_strays() {
+  if (strays_.empty()) return {};
+  std::vector<vm::strays::entry> before = strays_.entries();
+  status s = strays_.retry(drv_);
+  // A stray mapping that is gone gives its VA back to the holes.
+  for (const auto& e : before) {
+    if (!e.mapped) continue;
+    bool still = std::any_of(strays_.entries().begin(), strays_.entries().end(),
+                             [&](const vm::strays::entry& x) { return x.mapped && x.va == e.va; });
+    if (!still) give_hole(e.va, e.size);
   }
-  if (!h.ok()) {
-    ++calls_.failures;
-    return h;
-  }
-  if (props_.compressible) {
-    auto q = b_->query(h.value);
-    bool granted = q.ok() && q.value.compressible;
-    if (!granted) {
-      if (opt_.compression == compression_mode::require) {
-        release_or_park(h.value, size);
-        return {0, fail(errc::not_supported, "cuMemCreate", "compression requested but not granted")};
-      }
-      ++compression_fallbacks_;
-    }
-  }
-  return h;
+  return s;
 }
 
 std::uint32_t arena::new_chunk_slot() {
@@ -185,7 +128,7 @@ void arena::give_hole(std::uintptr_t va, std::size_t size) {
 
 result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner) {
   if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
-  // Physical budget: idle handles are already counted, new ones must fit the limit.
+  (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
   std::uintptr_t va = 0;
   if (at) {
     if (!hole_at(at, size)) return {0, fail(errc::out_of_memory, "map", "no hole at the requested address")};
@@ -197,180 +140,126 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   }
 
   // Pieces: idle handles first (largest that fit), then one created handle for the rest.
-  struct piece { std::uintptr_t va; std::size_t size; mem_handle h; bool from_idle; std::uint32_t id; };
-  std::vector<piece> done;
-  std::size_t off = 0;
-  auto rollback = [&](status st) -> result<std::uintptr_t> {
-    for (auto it = done.rbegin(); it != done.rend(); ++it) {
-      ++calls_.unmap;
-      b_->unmap(it->va, it->size);
-      chunks_[it->id] = chunk{};
-      free_slots_.push_back(it->id);
-      if (it->from_idle) {
-        idle_.emplace(it->size, it->h);
-        idle_bytes_ += it->size;
-      } else {
-        release_or_park(it->h, it->size);
-      }
+  struct piece { std::size_t size; mem_handle h; bool created; };
+  std::vector<piece> pieces;
+  auto give_back = [&](std::size_t from) {
+    for (std::size_t i = from; i < pieces.size(); ++i) {
+      if (pieces[i].created) release_or_park(pieces[i].h, pieces[i].size);
+      else idle_put(pieces[i].h, pieces[i].size);
     }
-    return {0, st};
   };
-
-  while (off < size) {
-    std::size_t want = size - off;
-    mem_handle h = 0;
-    std::size_t hsize = 0;
-    bool from_idle = false;
+  for (std::size_t off = 0; off < size;) {
+    const std::size_t want = size - off;
     auto it = idle_.upper_bound(want);  // first idle handle larger than want
     if (it != idle_.begin()) {
       --it;  // largest idle handle <= want
-      h = it->second;
-      hsize = it->first;
+      pieces.push_back({it->first, it->second, false});
+      idle_bytes_ -= it->first;
       idle_.erase(it);
-      idle_bytes_ -= hsize;
-      from_idle = true;
-    } else {
-      // Idle handles that could not serve this request only add to the footprint: release them
-      // before creating more (peak physical stays close to peak mapped).
-      if (opt_.stitch_on_grow && idle_bytes_) {
-        status r = release_idle(0);
-        if (!r.ok()) return rollback(r);
+      off += pieces.back().size;
+      continue;
+    }
+    // Idle handles that could not serve this request only add to the footprint: release them
+    // before creating more (peak physical stays close to peak mapped).
+    if (opt_.stitch_on_grow && idle_bytes_) {
+      if (status r = release_idle(0); !r.ok()) {
+        give_back(0);
+        return {0, r};
       }
-      std::size_t physical = mapped_ + idle_bytes_;
-      if (want > opt_.memory_limit || physical > opt_.memory_limit - want)
-        return rollback(fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached"));
-      auto c = create_handle(want);
-      if (!c.ok()) return rollback(c.st);
-      h = c.value;
-      hsize = want;
     }
-    ++calls_.map;
-    status st = b_->map(va + off, hsize, h, 0);
-    if (!st.ok()) {
-      ++calls_.failures;
-      if (from_idle) {
-        idle_.emplace(hsize, h);
-        idle_bytes_ += hsize;
-      } else {
-        release_or_park(h, hsize);
-      }
-      return rollback(st);
+    const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes();
+    if (want > opt_.memory_limit || physical > opt_.memory_limit - want) {
+      give_back(0);
+      return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
     }
-    // What the driver granted (compression is a hint): read back once per mapped chunk, only
-    // when compression was asked for.
-    bool compressed = false;
-    if (props_.compressible) {
-      auto q = b_->query(h);
-      compressed = q.ok() && q.value.compressible;
+    auto c = policy::create_chunk(drv_, policies_, opt_, pol_, want);
+    if (!c.ok()) {
+      give_back(0);
+      return {0, c.st};
     }
-    auto id = new_chunk_slot();
-    chunks_[id] = chunk{va + off, hsize, h, 0, 0, no_chunk, no_chunk, owner, compressed};
-    done.push_back({va + off, hsize, h, from_idle, id});
-    if (from_idle) ++stitched_;
-    off += hsize;
+    pieces.push_back({want, c.value, true});
+    off += want;
   }
-  // One set_access over the whole range: the driver's cost is per call, not per chunk.
-  status st = call_set_access(va, size, access_);
-  if (!st.ok()) return rollback(st);
+
+  const std::size_t strays_before = strays_.size();
+  status st{};
+  {
+    vm::mapping_txn txn(drv_, strays_);
+    std::size_t off = 0, i = 0;
+    for (; i < pieces.size(); ++i) {
+      st = txn.map(va + off, pieces[i].size, pieces[i].h, pieces[i].created);
+      if (!st.ok()) break;
+      off += pieces[i].size;
+    }
+    // One set_access over the whole range: the driver's cost is per call, not per chunk.
+    if (st.ok()) st = txn.set_access(va, size, pol_.access);
+    if (st.ok()) {
+      txn.commit();
+    } else {
+      give_back(i + 1);  // pieces after the failed one were never mapped (the failed one is handed back)
+      txn.rollback();
+      for (auto& l : txn.returned()) idle_put(l.h, l.size);
+    }
+  }
+  if (!st.ok()) {
+    // What the driver refused to unmap stays mapped: keep its VA out of the holes.
+    for (std::size_t k = strays_before; k < strays_.size(); ++k) {
+      const auto& e = strays_.entries()[k];
+      if (e.mapped) take_hole(e.va, e.size);
+    }
+    if (strays_.size() > strays_before && parked_error_.ok()) parked_error_ = st;
+    note_peaks();
+    return {0, st};
+  }
 
   take_hole(va, size);
-  for (auto& p : done) {
-    for (std::size_t pg = page_of(p.va), e = pg + p.size / gran_; pg < e; ++pg) page_map_[pg] = p.id;
+  std::size_t off = 0;
+  for (auto& p : pieces) {
+    auto id = new_chunk_slot();
+    bool marked = false;
+    for (auto& pol : policies_) marked = pol->mapped(drv_, pol_, p.h) || marked;
+    chunks_[id] = chunk{va + off, p.size, p.h, 0, no_chunk, no_chunk, owner, marked};
+    for (std::size_t pg = page_of(va + off), e = pg + p.size / gran_; pg < e; ++pg) page_map_[pg] = id;
     mapped_ += p.size;
-    if (chunks_[p.id].compressed) compressed_bytes_ += p.size;
+    if (marked) compressed_bytes_ += p.size;
+    if (!p.created) ++stitched_;
     ++chunk_count_;
-    lru_push(p.id);  // a new chunk holds no block yet; the heap's add_used takes it off the list
+    lru_push(id);  // a new chunk holds no block yet; the heap's add_used takes it off the list
+    off += p.size;
   }
   note_peaks();
   return {va, {}};
 }
 
-status arena::call_set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc> a) {
-  ++calls_.set_access;
-  status st = b_->set_access(va, size, a);
-  if (!st.ok()) ++calls_.failures;
-  return st;
-}
-
 std::vector<std::pair<std::uintptr_t, std::size_t>> arena::mapped_runs() const {
+  // Chunks are what is mapped and ours; the runs are maximal ranges of adjacent chunks.
+  std::map<std::uintptr_t, std::size_t> by_va;
+  for (const chunk& c : chunks_)
+    if (c.size) by_va.emplace(c.va, c.size);
   std::vector<std::pair<std::uintptr_t, std::size_t>> runs;
-  std::uintptr_t cur = base_;
-  // Holes are sorted: the mapped runs are exactly the gaps between them.
-  for (auto& [hs, hn] : holes_) {
-    if (hs > cur) runs.emplace_back(cur, hs - cur);
-    cur = hs + hn;
+  for (auto& [va, n] : by_va) {
+    if (!runs.empty() && runs.back().first + runs.back().second == va) runs.back().second += n;
+    else runs.emplace_back(va, n);
   }
-  if (size_ && cur < base_ + size_) runs.emplace_back(cur, base_ + size_ - cur);
   return runs;
 }
 
 status arena::set_peer_access(int device, access_mode mode) {
-  if (device == opt_.device)
-    return fail(errc::invalid_value, "set_peer_access", "the owner device's access cannot be changed");
-  if (device < 0) return fail(errc::invalid_value, "set_peer_access", "negative device ordinal");
-  if (mode != access_mode::none) {
-    if (!b_->can_access_peer(device, opt_.device))
-      return fail(errc::invalid_value, "set_peer_access", "peer device cannot access the owner device (cuDeviceCanAccessPeer, or no VMM support)");
-    chunk_props pp = props_;
-    pp.id = device;
-    auto pg = b_->granularity(pp);
-    if (!pg.ok()) return pg.st;
-    if (pg.value.minimum > gran_)
-      return fail(errc::invalid_value, "set_peer_access",
-                  "peer granularity is larger than the arena's (name the peer in options.peers)");
-  }
-  auto it = std::find_if(access_.begin(), access_.end(), [&](const access_desc& a) { return a.device == device; });
-  const access_mode old = it == access_.end() ? access_mode::none : it->mode;
-  if (old == mode) return {};
-  // One call per mapped run, naming only this device: the others' access is untouched.
-  const access_desc now[1] = {{device, mode}};
-  const access_desc before[1] = {{device, old}};
-  auto runs = mapped_runs();
-  for (std::size_t i = 0; i < runs.size(); ++i) {
-    status st = call_set_access(runs[i].first, runs[i].second, now);
-    if (!st.ok()) {
-      for (std::size_t j = i; j-- > 0;) call_set_access(runs[j].first, runs[j].second, before);
-      return st;
-    }
-  }
-  if (mode == access_mode::none) {
-    if (it != access_.end()) access_.erase(it);
-  } else if (it != access_.end()) {
-    it->mode = mode;
-  } else {
-    access_.push_back({device, mode});
-  }
-  ++access_changes_;
-  return {};
+  return policy::set_peer_access(drv_, opt_, pol_, gran_, device, mode, mapped_runs());
 }
 
 result<shareable_handle> arena::export_chunk(std::uint32_t id) {
   if (id >= chunks_.size() || !chunks_[id].size)
     return {{}, fail(errc::invalid_value, "export", "no such chunk")};
-  if (props_.ipc == ipc_kind::none)
+  if (pol_.props.ipc == ipc_kind::none)
     return {{}, fail(errc::not_supported, "export", "the policy is not exportable (options.ipc is none)")};
-  ++calls_.export_handle;
-  auto r = b_->export_handle(chunks_[id].handle, props_.ipc);
-  if (!r.ok()) ++calls_.failures;
-  return r;
+  return drv_.export_handle(chunks_[id].handle, pol_.props.ipc);
 }
 
 status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
   chunk& c = chunks_[id];
   assert(c.size && c.used == 0);
-  if (c.fence) {
-    // Only this chunk's last user is waited for, never the whole device.
-    status w = b_->wait_fence(c.fence);
-    if (!w.ok()) return w;
-    b_->drop_fence(c.fence);
-    c.fence = 0;
-  }
-  ++calls_.unmap;
-  status st = b_->unmap(c.va, c.size);
-  if (!st.ok()) {
-    ++calls_.failures;
-    return st;
-  }
+  if (status st = drv_.unmap(c.va, c.size); !st.ok()) return st;  // still mapped: stays a chunk
   lru_remove(id);
   for (std::size_t pg = page_of(c.va), e = pg + c.size / gran_; pg < e; ++pg) page_map_[pg] = no_chunk;
   give_hole(c.va, c.size);
@@ -382,28 +271,21 @@ status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
   std::size_t size = c.size;
   c = chunk{};
   free_slots_.push_back(id);
-  if (keep_handle) {
-    idle_.emplace(size, h);
-    idle_bytes_ += size;
-  } else {
-    release_or_park(h, size);
-  }
+  if (keep_handle) idle_put(h, size);
+  else release_or_park(h, size);
   return {};
 }
 
 status arena::release_idle(std::size_t keep) {
+  status parked = retry_strays();
   // Largest first: fewest driver calls for the bytes returned.
   while (idle_bytes_ > keep && !idle_.empty()) {
     auto it = std::prev(idle_.end());
-    ++calls_.release;
-    status st = b_->release(it->second);
-    if (!st.ok()) {
-      ++calls_.failures;
-      return st;
-    }
+    if (status st = drv_.release(it->second); !st.ok()) return st;
     idle_bytes_ -= it->first;
     idle_.erase(it);
   }
+  if (!parked.ok() && parked_error_.ok()) parked_error_ = parked;
   return {};
 }
 
@@ -438,44 +320,42 @@ void arena::sub_used(std::uint32_t id, std::size_t n) {
   if (c.used == 0) lru_push(id);
 }
 
-void arena::set_fence(std::uint32_t id, fence_t f) {
-  chunk& c = chunks_[id];
-  if (c.fence && c.fence != f) b_->drop_fence(c.fence);  // a later fence on the same stream covers it
-  c.fence = f;
-}
-
 void arena::note_peaks() {
+  const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes();
   peak_mapped_ = std::max(peak_mapped_, mapped_);
-  peak_physical_ = std::max(peak_physical_, mapped_ + idle_bytes_);
+  peak_physical_ = std::max(peak_physical_, physical);
 }
 
 void arena::reset_peaks() {
   peak_mapped_ = mapped_;
-  peak_physical_ = mapped_ + idle_bytes_;
+  peak_physical_ = mapped_ + idle_bytes_ + strays_.bytes();
 }
 
 arena_stats arena::stats() const {
   arena_stats s;
-  s.reserved = size_;
+  s.reserved = res_.size();
   s.mapped = mapped_;
   s.idle = idle_bytes_;
-  s.physical = mapped_ + idle_bytes_;
+  s.stray_bytes = strays_.bytes();
+  s.physical = mapped_ + idle_bytes_ + s.stray_bytes;
   s.free_chunk_bytes = free_chunk_bytes_;
   s.peak_mapped = peak_mapped_;
   s.peak_physical = peak_physical_;
   s.chunks = chunk_count_;
   s.stitched = stitched_;
-  s.compression_fallbacks = compression_fallbacks_;
-  s.ipc_fallbacks = ipc_fallbacks_;
+  s.compression_fallbacks = pol_.compression_fallbacks;
+  s.ipc_fallbacks = pol_.ipc_fallbacks;
   s.compressed = compressed_bytes_;
-  s.access_changes = access_changes_;
-  s.calls = calls_;
+  s.access_changes = pol_.access_changes;
+  s.calls = drv_.counts();
   return s;
 }
 
 std::string arena::check() const {
-  // Walk chunks and holes in address order: they must tile the reservation.
+  // Walk chunks, holes and stray mappings in address order: they must tile the reservation.
   std::map<std::uintptr_t, std::size_t> ranges(holes_.begin(), holes_.end());
+  for (const auto& e : strays_.entries())
+    if (e.mapped && !ranges.emplace(e.va, e.size).second) return "stray mapping overlaps a hole";
   std::size_t mapped = 0, freeb = 0, n = 0;
   for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
     const chunk& c = chunks_[id];
@@ -488,12 +368,12 @@ std::string arena::check() const {
     for (std::size_t pg = page_of(c.va), e = pg + c.size / gran_; pg < e; ++pg)
       if (page_map_[pg] != id) return "page map does not match the chunk table";
   }
-  std::uintptr_t cur = base_;
+  std::uintptr_t cur = res_.base();
   for (auto& [va, sz] : ranges) {
-    if (va != cur) return "holes and chunks do not tile the reservation";
+    if (va != cur) return "holes, chunks and strays do not tile the reservation";
     cur = va + sz;
   }
-  if (size_ && cur != base_ + size_) return "holes and chunks do not cover the reservation";
+  if (res_.size() && cur != res_.base() + res_.size()) return "holes, chunks and strays do not cover the reservation";
   std::size_t mapped_pages = 0;
   for (auto p : page_map_) mapped_pages += p != no_chunk;
   if (mapped_pages * gran_ != mapped) return "page map marks pages outside chunks";

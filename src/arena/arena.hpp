@@ -1,20 +1,23 @@
-// vmmalloc arena: one reserved virtual range, a chunk table, mapping on demand.
+// arena: one reserved virtual range, a chunk table, mapping on demand.
 //
 // A chunk is one physical handle mapped by one backend map() call at one place in the
 // reservation. The arena owns: the reservation, the holes (unmapped VA), the chunk table and its
 // page map (page = granularity G; page -> chunk in O(1)), a cache of idle physical handles (created,
-// not mapped: reused with map + set_access only, skipping create, GMLake's "stitching"), and the
-// access policy applied to every mapping. It does not know about blocks: the heap tells it which
-// chunks are in use (`used` bytes per chunk) and asks for chunks to be mapped or released.
+// not mapped: reused with map + set_access only, skipping create, GMLake's "stitching"), the
+// policies applied at its hooks (policy/), and what a refused rollback left mapped (strays). It
+// does not know about blocks: the heap tells it which chunks are in use (`used` bytes per chunk)
+// and asks for chunks to be mapped or released. Every driver call goes through vm::driver, which
+// counts it.
 //
 // Invariants (checked by check()):
-//   holes + chunks tile the reservation exactly, without overlap
+//   holes + chunks + stray mappings tile the reservation exactly, without overlap
 //   page_map[p] == id  <=>  page p lies inside chunk id
-//   mapped_bytes == sum(chunk.size),  physical_bytes == mapped_bytes + idle_bytes
+//   mapped_bytes == sum(chunk.size),  physical_bytes == mapped_bytes + idle_bytes + stray bytes
 //   free_chunk_bytes == sum(chunk.size | chunk.used == 0)
 //
-// Every multi-step operation (create -> map -> set_access) rolls back on failure: a failed
-// map_chunk leaves handles, mappings and holes exactly as before.
+// Every multi-step operation (create -> map -> set_access) is all or nothing (vm::mapping_txn):
+// a failed map_range leaves chunks, idle handles and holes as before; what the driver refused to
+// undo is parked as a stray, its VA kept out of the holes until a retry succeeds.
 //
 // Thread safety: none here. The front end serialises heap and arena under its locks.
 #pragma once
@@ -27,6 +30,10 @@
 #include <string>
 #include <vector>
 
+#include "policy/policy.hpp"
+#include "vm/driver.hpp"
+#include "vm/mapping.hpp"
+#include "vm/reservation.hpp"
 #include "vmmalloc/backend.hpp"
 #include "vmmalloc/options.hpp"
 #include "vmmalloc/stats.hpp"
@@ -37,6 +44,7 @@ struct arena_stats {
   std::size_t reserved = 0, mapped = 0, physical = 0, idle = 0, free_chunk_bytes = 0;
   std::size_t peak_mapped = 0, peak_physical = 0;
   std::size_t chunks = 0;
+  std::size_t stray_bytes = 0;         // held by work a refused rollback left (retried later)
   std::uint64_t stitched = 0;          // chunks mapped from idle handles (no create)
   std::uint64_t compression_fallbacks = 0;
   std::size_t compressed = 0;          // mapped bytes that the driver made compressible
@@ -54,10 +62,9 @@ class arena {
     std::size_t size = 0;       // 0 = slot unused
     mem_handle handle = 0;
     std::size_t used = 0;       // bytes of live blocks in this chunk (maintained by the heap)
-    fence_t fence = 0;          // last free's fence: wait for it before unmapping
     std::uint32_t lru_prev = no_chunk, lru_next = no_chunk;  // list of wholly free chunks
     std::uint32_t owner = 0;    // heap's tag for this chunk (0 = heap-managed span, 1 = huge, ...)
-    bool compressed = false;    // what the driver granted
+    bool compressed = false;    // what the driver granted (compression policy)
   };
 
   arena(std::unique_ptr<backend_iface> b, const options& o);
@@ -65,14 +72,14 @@ class arena {
   arena(const arena&) = delete;
   arena& operator=(const arena&) = delete;
 
-  // Reserves the range and checks the policy. Must succeed before anything else is called.
+  // Runs the policies' open hooks and reserves the range. Must succeed before anything else.
   status open();
 
   std::size_t granularity() const { return gran_; }
-  std::uintptr_t base() const { return base_; }
-  std::size_t reservation_size() const { return size_; }
-  bool contains(std::uintptr_t a) const { return a - base_ < size_; }
-  std::size_t page_of(std::uintptr_t a) const { return (a - base_) >> gran_shift_; }  // G is 2^k
+  std::uintptr_t base() const { return res_.base(); }
+  std::size_t reservation_size() const { return res_.size(); }
+  bool contains(std::uintptr_t a) const { return res_.contains(a); }
+  std::size_t page_of(std::uintptr_t a) const { return (a - res_.base()) >> gran_shift_; }  // G is 2^k
   std::size_t pages() const { return page_map_.size(); }
 
   // O(1): the chunk mapped at a (no_chunk if none).
@@ -90,8 +97,8 @@ class arena {
   // Whether [at, at+size) is an unmapped hole right now.
   bool hole_at(std::uintptr_t at, std::size_t size) const;
 
-  // Unmaps a chunk (waiting for its fence first); its handle goes to the idle cache when
-  // keep_handle, else it is released. The VA returns to the holes.
+  // Unmaps a chunk; its handle goes to the idle cache when keep_handle, else it is released. The
+  // VA returns to the holes. The caller has made sure no stream still uses it.
   status unmap_chunk(std::uint32_t id, bool keep_handle);
 
   // Heap bookkeeping: bytes of live blocks per chunk; a chunk at 0 joins the free-chunk LRU.
@@ -101,11 +108,12 @@ class arena {
   std::size_t free_chunk_bytes() const { return free_chunk_bytes_; }
   std::size_t idle_bytes() const { return idle_bytes_; }
 
-  // Releases idle handles until idle_bytes() <= keep.
+  // Releases idle handles until idle_bytes() <= keep; retries parked strays first.
   status release_idle(std::size_t keep);
+  // Retries what a refused rollback or release parked (trim, before mapping, teardown).
+  status retry_strays();
 
-  void set_fence(std::uint32_t id, fence_t f);
-  // The first release the backend refused since the last call (its handle was parked as idle).
+  // The first release the backend refused since the last call (its handle was parked).
   status take_parked_error() { status s = parked_error_; parked_error_ = {}; return s; }
 
   arena_stats stats() const;
@@ -113,10 +121,12 @@ class arena {
   // Verifies the invariants above; returns "" or what is wrong.
   std::string check() const;
 
-  backend_iface& backend() { return *b_; }
+  vm::driver& drv() { return drv_; }
   const options& opts() const { return opt_; }
-  const chunk_props& props() const { return props_; }
-  std::span<const access_desc> access() const { return access_; }
+  const chunk_props& props() const { return pol_.props; }
+  std::span<const access_desc> access() const { return pol_.access; }
+  // Placement policy: every allocation owns whole chunks (an exportable policy).
+  bool whole_chunks() const { return whole_chunks_; }
 
   // Run-time access policy: gives `device` `mode` (access_mode::none revokes) on every mapped
   // chunk and on all future mappings. One set_access per contiguous mapped run, not per chunk.
@@ -130,41 +140,39 @@ class arena {
   // The shareable handle of a chunk (ipc policy only): an fd the caller owns, or fabric bytes.
   result<shareable_handle> export_chunk(std::uint32_t id);
 
-  // Counted backend calls (the thin layer: counts, live objects, errors).
-  status call_set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc> a);
-
  private:
-  result<mem_handle> create_handle(std::size_t size);
-  void release_or_park(mem_handle h, std::size_t size);  // a refused release keeps h idle
   std::uint32_t new_chunk_slot();
   void lru_push(std::uint32_t id);
   void lru_remove(std::uint32_t id);
   void take_hole(std::uintptr_t va, std::size_t size);
   void give_hole(std::uintptr_t va, std::size_t size);
+  void idle_put(mem_handle h, std::size_t size);
+  void release_or_park(mem_handle h, std::size_t size);  // a refused release parks h as a stray
   void note_peaks();
 
   std::unique_ptr<backend_iface> b_;
+  vm::driver drv_;
   options opt_;
-  chunk_props props_;
-  std::vector<access_desc> access_;  // owner + peers, applied to every mapping
+  policy::list policies_;
+  policy::state pol_;
+  bool whole_chunks_ = false;
   std::size_t gran_ = 0;
   unsigned gran_shift_ = 0;
-  std::uintptr_t base_ = 0;
-  std::size_t size_ = 0;
+  vm::reservation res_;
 
   std::vector<std::uint32_t> page_map_;
   std::vector<chunk> chunks_;
   std::vector<std::uint32_t> free_slots_;
   std::map<std::uintptr_t, std::size_t> holes_;      // unmapped VA: start -> size
   std::multimap<std::size_t, mem_handle> idle_;      // created, unmapped handles by size
+  vm::strays strays_;                                // refused rollback work; stray mappings are no holes
   std::uint32_t lru_head_ = no_chunk, lru_tail_ = no_chunk;
 
   std::size_t compressed_bytes_ = 0;  // mapped bytes the driver granted compression for
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
   std::size_t peak_mapped_ = 0, peak_physical_ = 0;
-  std::uint64_t stitched_ = 0, compression_fallbacks_ = 0, ipc_fallbacks_ = 0, access_changes_ = 0;
+  std::uint64_t stitched_ = 0;
   status parked_error_;
-  driver_counts calls_;
 };
 
 }  // namespace vmm

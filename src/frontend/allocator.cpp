@@ -568,12 +568,12 @@ std::string allocator::check() const {
 
 std::size_t allocator::granularity() const { return p_->ar->granularity(); }
 const options& allocator::opts() const { return p_->ar->opts(); }
-const char* allocator::backend_name() const { return p_->ar->backend().name(); }
+const char* allocator::backend_name() const { return p_->ar->drv().name(); }
 
 bool allocator::host_accessible() const {
   const options& o = opts();
   if (o.location == location_kind::host_numa) return true;
-  if (!(p_->ar->backend().capabilities() & cap_host_access)) return false;
+  if (!(p_->ar->drv().capabilities() & cap_host_access)) return false;
   if (o.device == 0) return true;
   return std::any_of(o.peers.begin(), o.peers.end(), [](const access_desc& p) {
     return p.device == 0 && p.mode == access_mode::read_write;

@@ -170,7 +170,7 @@ struct heap::impl {
   }
 
   std::size_t small_limit() const { return class_size.empty() ? 0 : class_size.back(); }
-  bool whole_chunks() const { return a.opts().ipc != ipc_kind::none; }
+  bool whole_chunks() const { return a.whole_chunks(); }  // placement policy (ipc)
 
   // ---- block pool and page chains ----
   block* new_block() {
@@ -243,9 +243,9 @@ struct heap::impl {
   // Makes sure the stream's latest fence was recorded after free number seq_at_free.
   status fence_after(stream_state& ss, stream_t s, std::uint64_t seq_at_free) {
     if (ss.fence_seq > seq_at_free) return {};
-    auto r = a.backend().record_fence(s);
+    auto r = a.drv().record_fence(s);
     if (!r.ok()) return r.st;
-    if (ss.fence) a.backend().drop_fence(ss.fence);
+    if (ss.fence) a.drv().drop_fence(ss.fence);
     ss.fence = r.value;
     ss.fence_seq = seq + 1;
     ss.done = false;
@@ -262,7 +262,7 @@ struct heap::impl {
     stream_state& ss = streams[s];
     if (seq_at_free < ss.completed_seq) return true;
     if (!fence_after(ss, s, seq_at_free).ok()) return false;
-    if (ss.done || a.backend().fence_done(ss.fence)) note_done(ss);
+    if (ss.done || a.drv().fence_done(ss.fence)) note_done(ss);
     return ss.done;
   }
   // The same, but waits for that fence (slow path: unmapping). A fence that cannot be recorded is
@@ -271,8 +271,8 @@ struct heap::impl {
     stream_state& ss = streams[s];
     if (seq_at_free < ss.completed_seq) return {};
     if (status r = fence_after(ss, s, seq_at_free); !r.ok()) return r;
-    if (!ss.done && !a.backend().fence_done(ss.fence)) {
-      status w = a.backend().wait_fence(ss.fence);  // only this stream, never the device
+    if (!ss.done && !a.drv().fence_done(ss.fence)) {
+      status w = a.drv().wait_fence(ss.fence);  // only this stream, never the device
       if (!w.ok()) return w;
     }
     note_done(ss);
@@ -790,7 +790,7 @@ struct heap::impl {
   // ones already recorded are dropped, `out` is left empty and the driver's error returned.
   status record_fences(const std::vector<stream_t>& on, std::vector<fence_t>& out) {
     for (auto xs : on) {
-      auto f = a.backend().record_fence(xs);
+      auto f = a.drv().record_fence(xs);
       if (!f.ok()) {
         drop_fences(out);
         return f.st;
@@ -800,7 +800,7 @@ struct heap::impl {
     return {};
   }
   void drop_fences(std::vector<fence_t>& fs) {
-    for (auto f : fs) a.backend().drop_fence(f);
+    for (auto f : fs) a.drv().drop_fence(f);
     fs.clear();
   }
 
@@ -809,8 +809,8 @@ struct heap::impl {
       auto& d = deferred_frees[i];
       bool done = true;
       for (auto f : d.fences) {
-        if (wait) a.backend().wait_fence(f);
-        done = done && a.backend().fence_done(f);
+        if (wait) a.drv().wait_fence(f);
+        done = done && a.drv().fence_done(f);
       }
       if (!done) {
         ++i;
@@ -875,7 +875,7 @@ heap::~heap() {
   for (auto& d : p_->deferred_frees)
     p_->drop_fences(d.fences);
   for (auto& [s, ss] : p_->streams)
-    if (ss.fence) p_->a.backend().drop_fence(ss.fence);
+    if (ss.fence) p_->a.drv().drop_fence(ss.fence);
 }
 
 result<std::uintptr_t> heap::allocate(std::size_t n, std::size_t align, stream_t s) {
@@ -1035,6 +1035,7 @@ status heap::trim(std::size_t keep) {
   auto& m = *p_;
   ++m.st.trims;
   m.poll_deferred(false);
+  (void)m.a.retry_strays();  // a refusal stays parked and is reported through take_parked_error
   // Empty slabs first: they pin chunks that are otherwise free.
   std::vector<impl::slab*> empty;
   for (auto& e : m.pages)

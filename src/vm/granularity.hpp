@@ -1,0 +1,20 @@
+// vm::granularity_for: the unit every size and address of a mapping is rounded to, for memory
+// that one device owns and others access. It is the largest granularity among the devices (each
+// must be able to map every chunk); a device that cannot access the owner is refused here, before
+// anything is reserved.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+#include "vm/driver.hpp"
+
+namespace vmm::vm {
+
+// recommended: the driver's recommended granularity instead of its minimum (equal on H100/H200).
+// why (optional) gets a full message naming the device that failed.
+result<std::size_t> granularity_for(driver& d, const chunk_props& owner, std::span<const access_desc> others,
+                                    bool recommended = false, std::string* why = nullptr);
+
+}  // namespace vmm::vm

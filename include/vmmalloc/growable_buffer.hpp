@@ -50,6 +50,7 @@
 #include "vmmalloc/backend.hpp"
 #include "vmmalloc/error.hpp"
 #include "vmmalloc/host_backend.hpp"
+#include "vmmalloc/stats.hpp"
 
 namespace vmm {
 
@@ -58,12 +59,6 @@ struct growable_options {
   std::vector<access_desc> peers;   // extra devices granted on every mapping (checked at construction)
   std::size_t min_chunk = 0;        // smallest chunk mapped by one growth; 0 = granularity (2 MiB)
   bool geometric = false;           // chunk >= mapped / 2: O(log n) driver rounds for many small steps
-};
-
-// Backend calls made by one buffer (attempts, retries included); failures = calls refused.
-struct growable_counts {
-  std::uint64_t reserve = 0, free_reservation = 0, create = 0, map = 0, set_access = 0, unmap = 0,
-                release = 0, failures = 0;
 };
 
 class growable_buffer {
@@ -99,35 +94,25 @@ class growable_buffer {
   std::size_t capacity_limit() const noexcept { return limit_; }         // as given
   std::size_t reserved() const noexcept { return reserved_; }            // VA: round_up(limit, G)
   std::size_t granularity() const noexcept { return gran_; }
-  std::size_t chunk_count() const noexcept { return chunks_.size(); }
-  const growable_counts& counts() const noexcept { return calls_; }
+  std::size_t chunk_count() const noexcept { return chunks_; }
+  // Backend calls made by this buffer (attempts, retries included; failures = calls refused).
+  driver_counts counts() const;
   const growable_options& opts() const noexcept { return opt_; }
   // The backend, e.g. dynamic_cast<backend_model<host_backend>&> for its test controls.
   // Precondition: not moved-from.
-  backend_iface& backend() noexcept { return *b_; }
+  backend_iface& backend() noexcept;
 
  private:
-  struct chunk {
-    std::uintptr_t va = 0;
-    std::size_t size = 0;
-    mem_handle handle = 0;
-    bool mapped = true;  // stray_ only: whether the mapping still has to be undone
-  };
+  struct impl;  // src/buffer: the driver, the reservation, the chunks, parked rollback work
   void grow_to(std::size_t n, const char* what);
   void trim_to(std::size_t n, const char* what);
-  status clean_strays();
   void destroy() noexcept;
 
-  std::unique_ptr<backend_iface> b_;
+  std::unique_ptr<impl> p_;
   growable_options opt_;
-  chunk_props props_;
-  std::vector<access_desc> access_;  // owner + peers, applied to every chunk with one set_access
   std::size_t gran_ = 0, limit_ = 0, reserved_ = 0;
   std::uintptr_t base_ = 0;
-  std::size_t size_ = 0, mapped_ = 0;
-  std::vector<chunk> chunks_;  // tail order: chunks_[i].va == base_ + sum of earlier sizes
-  std::vector<chunk> stray_;   // refused rollback/release work, retried before the next change
-  growable_counts calls_;
+  std::size_t size_ = 0, mapped_ = 0, chunks_ = 0;
 };
 
 }  // namespace vmm

@@ -7,6 +7,10 @@
 #include <string>
 #include <utility>
 
+#include "vm/granularity.hpp"
+#include "vm/mapping.hpp"
+#include "vm/reservation.hpp"
+
 namespace vmm {
 
 namespace {
@@ -23,49 +27,43 @@ std::string mib(std::size_t n) {
 
 }  // namespace
 
-// Calls f, and once more if the driver refused; counts both attempts and their failures.
-template <class F>
-static status twice(F&& f, std::uint64_t& counter, std::uint64_t& failures) {
-  ++counter;
-  status s = f();
-  if (s.ok()) return s;
-  ++failures;
-  ++counter;
-  s = f();
-  if (!s.ok()) ++failures;
-  return s;
-}
+struct growable_buffer::impl {
+  struct chunk {
+    std::uintptr_t va = 0;
+    std::size_t size = 0;
+    mem_handle handle = 0;
+  };
+  explicit impl(std::unique_ptr<backend_iface> bb) : b(std::move(bb)), d(b.get()) {}
+  std::unique_ptr<backend_iface> b;
+  vm::driver d;
+  vm::reservation res;
+  chunk_props props;
+  std::vector<access_desc> access;  // owner + peers, applied to every chunk with one set_access
+  std::vector<chunk> chunks;        // tail order: chunks[i].va == base + sum of earlier sizes
+  vm::strays strays;                // refused rollback/release work, retried before the next change
+};
 
 growable_buffer::growable_buffer(std::unique_ptr<backend_iface> b, std::size_t capacity_limit,
                                  const growable_options& o)
-    : b_(std::move(b)), opt_(o), limit_(capacity_limit) {
+    : opt_(o), limit_(capacity_limit) {
   const char* ctx = "vmm::growable_buffer";
-  if (!b_) throw error(fail(errc::invalid_value, "growable_buffer", "no backend"), std::string(ctx) + ": no backend");
+  if (!b) throw error(fail(errc::invalid_value, "growable_buffer", "no backend"), std::string(ctx) + ": no backend");
   if (capacity_limit == 0)
     throw error(fail(errc::invalid_value, "growable_buffer", "capacity_limit is 0"),
                 std::string(ctx) + ": capacity_limit must be > 0");
-  props_.location = location_kind::device;
-  props_.id = opt_.device;
+  p_ = std::make_unique<impl>(std::move(b));
+  impl& m = *p_;
+  m.props.location = location_kind::device;
+  m.props.id = opt_.device;
+  m.access.push_back({opt_.device, access_mode::read_write});
+  for (const auto& p : opt_.peers)
+    if (p.device != opt_.device) m.access.push_back(p);
 
   // Granularity: the largest among the devices that will access the chunks (the arena's rule).
-  auto g = b_->granularity(props_);
-  if (!g.ok()) throw_status(g.st, std::string(ctx) + ": granularity");
-  gran_ = g.value.minimum;
-  access_.push_back({opt_.device, access_mode::read_write});
-  for (const auto& p : opt_.peers) {
-    if (p.device == opt_.device) continue;
-    if (!b_->can_access_peer(p.device, opt_.device))
-      throw error(fail(errc::invalid_value, "growable_buffer", "peer cannot access the owner"),
-                  std::string(ctx) + ": device " + std::to_string(p.device) +
-                      " cannot access device " + std::to_string(opt_.device));
-    chunk_props pp = props_;
-    pp.id = p.device;
-    auto pg = b_->granularity(pp);
-    if (!pg.ok()) throw_status(pg.st, std::string(ctx) + ": granularity of a peer");
-    gran_ = std::max(gran_, pg.value.minimum);
-    access_.push_back(p);
-  }
-  if (gran_ == 0) throw error(fail(errc::invalid_value, "growable_buffer", "bad granularity"), std::string(ctx) + ": granularity 0");
+  std::string why;
+  auto g = vm::granularity_for(m.d, m.props, m.access, false, &why);
+  if (!g.ok()) throw_status(g.st, std::string(ctx) + ": " + why);
+  gran_ = g.value;
   if (capacity_limit > std::numeric_limits<std::size_t>::max() - gran_)
     throw out_of_memory(fail(errc::out_of_memory, "growable_buffer", "capacity_limit too large"),
                         std::string(ctx) + ": capacity_limit too large");
@@ -74,13 +72,9 @@ growable_buffer::growable_buffer(std::unique_ptr<backend_iface> b, std::size_t c
   // The one reservation: ~3 us on the driver even for 64 TiB, so reserving the limit up front
   // costs nothing and is what makes data() stable.
   reserved_ = round_up(capacity_limit, gran_);
-  ++calls_.reserve;
-  auto r = b_->reserve(reserved_, gran_);
-  if (!r.ok()) {
-    ++calls_.failures;
-    throw_status(r.st, std::string(ctx) + ": reserving " + mib(reserved_) + " of address space");
-  }
-  base_ = r.value;
+  if (status s = m.res.open(m.d, reserved_, gran_); !s.ok())
+    throw_status(s, std::string(ctx) + ": reserving " + mib(reserved_) + " of address space");
+  base_ = m.res.base();
 }
 
 growable_buffer growable_buffer::host(std::size_t capacity_limit, const host_backend_options& h,
@@ -98,84 +92,53 @@ growable_buffer growable_buffer::cuda(std::size_t capacity_limit, int device, gr
 growable_buffer::~growable_buffer() { destroy(); }
 
 growable_buffer::growable_buffer(growable_buffer&& o) noexcept
-    : b_(std::move(o.b_)),
+    : p_(std::move(o.p_)),
       opt_(std::move(o.opt_)),
-      props_(o.props_),
-      access_(std::move(o.access_)),
       gran_(std::exchange(o.gran_, 0)),
       limit_(std::exchange(o.limit_, 0)),
       reserved_(std::exchange(o.reserved_, 0)),
       base_(std::exchange(o.base_, 0)),
       size_(std::exchange(o.size_, 0)),
       mapped_(std::exchange(o.mapped_, 0)),
-      chunks_(std::move(o.chunks_)),
-      stray_(std::move(o.stray_)),
-      calls_(std::exchange(o.calls_, {})) {
-  o.chunks_.clear();
-  o.stray_.clear();
-}
+      chunks_(std::exchange(o.chunks_, 0)) {}
 
 growable_buffer& growable_buffer::operator=(growable_buffer&& o) noexcept {
   if (this == &o) return *this;
   destroy();
-  b_ = std::move(o.b_);
+  p_ = std::move(o.p_);
   opt_ = std::move(o.opt_);
-  props_ = o.props_;
-  access_ = std::move(o.access_);
   gran_ = std::exchange(o.gran_, 0);
   limit_ = std::exchange(o.limit_, 0);
   reserved_ = std::exchange(o.reserved_, 0);
   base_ = std::exchange(o.base_, 0);
   size_ = std::exchange(o.size_, 0);
   mapped_ = std::exchange(o.mapped_, 0);
-  chunks_ = std::move(o.chunks_);
-  stray_ = std::move(o.stray_);
-  calls_ = std::exchange(o.calls_, {});
-  o.chunks_.clear();
-  o.stray_.clear();
+  chunks_ = std::exchange(o.chunks_, 0);
   return *this;
 }
 
-void growable_buffer::destroy() noexcept {
-  if (!b_) return;
-  // Teardown cannot report errors: each call is retried once (a driver that refuses once must not
-  // leak a handle, a mapping or the reservation). Tail first, the reverse of growth.
-  for (auto it = chunks_.rbegin(); it != chunks_.rend(); ++it) {
-    twice([&] { return b_->unmap(it->va, it->size); }, calls_.unmap, calls_.failures);
-    twice([&] { return b_->release(it->handle); }, calls_.release, calls_.failures);
-  }
-  chunks_.clear();
-  (void)clean_strays();
-  stray_.clear();
-  if (reserved_)
-    twice([&] { return b_->free_reservation(base_, reserved_); }, calls_.free_reservation, calls_.failures);
-  b_.reset();
-  base_ = 0;
-  size_ = mapped_ = reserved_ = 0;
-}
+driver_counts growable_buffer::counts() const { return p_ ? p_->d.counts() : driver_counts{}; }
+backend_iface& growable_buffer::backend() noexcept { return *p_->b; }
 
-status growable_buffer::clean_strays() {
-  // Work a refused call left behind: a rollback's mapping, or a handle whose release was refused.
-  status first{};
-  for (auto it = stray_.begin(); it != stray_.end();) {
-    status s{};
-    if (it->mapped) {
-      s = twice([&] { return b_->unmap(it->va, it->size); }, calls_.unmap, calls_.failures);
-      if (s.ok()) it->mapped = false;
-    }
-    if (s.ok()) s = twice([&] { return b_->release(it->handle); }, calls_.release, calls_.failures);
-    if (s.ok()) {
-      it = stray_.erase(it);
-    } else {
-      if (first.ok()) first = s;
-      ++it;
-    }
+void growable_buffer::destroy() noexcept {
+  if (!p_) return;
+  impl& m = *p_;
+  // Teardown cannot report errors: each call is made once more if refused (a driver that refuses
+  // once must not leak a handle, a mapping or the reservation). Tail first, the reverse of growth.
+  for (auto it = m.chunks.rbegin(); it != m.chunks.rend(); ++it) {
+    (void)vm::driver::twice([&] { return m.d.unmap(it->va, it->size); });
+    (void)vm::driver::twice([&] { return m.d.release(it->handle); });
   }
-  return first;
+  m.chunks.clear();
+  (void)m.strays.retry(m.d);
+  (void)m.res.reset();
+  p_.reset();
+  base_ = 0;
+  size_ = mapped_ = reserved_ = chunks_ = 0;
 }
 
 void growable_buffer::resize(std::size_t n) {
-  if (!b_) throw error(fail(errc::invalid_value, "growable_buffer", "moved-from"), "vmm::growable_buffer::resize: moved-from buffer");
+  if (!p_) throw error(fail(errc::invalid_value, "growable_buffer", "moved-from"), "vmm::growable_buffer::resize: moved-from buffer");
   if (n > limit_)
     throw out_of_memory(fail(errc::out_of_memory, "growable_buffer", "capacity limit exceeded"),
                         "vmm::growable_buffer::resize: " + mib(n) + " exceeds the capacity limit of " +
@@ -191,7 +154,7 @@ void growable_buffer::resize(std::size_t n) {
 }
 
 void growable_buffer::reserve(std::size_t n) {
-  if (!b_) throw error(fail(errc::invalid_value, "growable_buffer", "moved-from"), "vmm::growable_buffer::reserve: moved-from buffer");
+  if (!p_) throw error(fail(errc::invalid_value, "growable_buffer", "moved-from"), "vmm::growable_buffer::reserve: moved-from buffer");
   if (n > limit_)
     throw out_of_memory(fail(errc::out_of_memory, "growable_buffer", "capacity limit exceeded"),
                         "vmm::growable_buffer::reserve: " + mib(n) + " exceeds the capacity limit of " +
@@ -200,14 +163,15 @@ void growable_buffer::reserve(std::size_t n) {
 }
 
 void growable_buffer::shrink_to_fit() {
-  if (!b_) return;
+  if (!p_) return;
   trim_to(size_, "vmm::growable_buffer::shrink_to_fit");
 }
 
 void growable_buffer::grow_to(std::size_t n, const char* what) {
+  impl& m = *p_;
   // A mapping a refused rollback left at the tail would block the map below: retry it first.
-  if (!stray_.empty()) {
-    status s = clean_strays();
+  if (!m.strays.empty()) {
+    status s = m.strays.retry(m.d);
     if (!s.ok()) throw_status(s, std::string(what) + ": undoing an earlier failed step");
   }
   const std::size_t need = round_up(n, gran_) - mapped_;  // n <= limit_, so this fits the reservation
@@ -220,68 +184,52 @@ void growable_buffer::grow_to(std::size_t n, const char* what) {
     return std::string(what) + ": mapping " + mib(bytes) + " at offset " + mib(mapped_);
   };
 
-  ++calls_.create;
-  auto h = b_->create(want, props_);
+  auto h = m.d.create(want, m.props);
   if (!h.ok() && h.st.kind == errc::out_of_memory && want > need) {
     // The policy's larger chunk does not fit; the exact need still might.
-    ++calls_.failures;
     want = need;
-    ++calls_.create;
-    h = b_->create(want, props_);
+    h = m.d.create(want, m.props);
   }
-  if (!h.ok()) {
-    ++calls_.failures;
-    throw_status(h.st, ctx(want));
-  }
+  if (!h.ok()) throw_status(h.st, ctx(want));
 
-  ++calls_.map;
-  status st = b_->map(va, want, h.value, 0);
+  // All or nothing: the chunk has no access until set_access grants it (cuMemMap's rule); one
+  // call for all devices. A failure undoes the map and releases the handle (vm::mapping_txn).
+  vm::mapping_txn txn(m.d, m.strays);
+  status st = txn.map(va, want, h.value, true);
+  if (st.ok()) st = txn.set_access(va, want, m.access);
   if (!st.ok()) {
-    ++calls_.failures;
-    if (!twice([&] { return b_->release(h.value); }, calls_.release, calls_.failures).ok())
-      stray_.push_back({va, want, h.value, false});
+    txn.rollback();
     throw_status(st, ctx(want));
   }
-
-  // The chunk has no access until this call grants it (cuMemMap's rule); one call for all devices.
-  ++calls_.set_access;
-  st = b_->set_access(va, want, access_);
-  if (!st.ok()) {
-    ++calls_.failures;
-    chunk c{va, want, h.value, true};
-    if (twice([&] { return b_->unmap(va, want); }, calls_.unmap, calls_.failures).ok()) {
-      c.mapped = false;
-      if (twice([&] { return b_->release(h.value); }, calls_.release, calls_.failures).ok()) c.size = 0;
-    }
-    if (c.size) stray_.push_back(c);
-    throw_status(st, ctx(want));
-  }
-
-  chunks_.push_back({va, want, h.value, true});
+  txn.commit();
+  m.chunks.push_back({va, want, h.value});
   mapped_ += want;
+  chunks_ = m.chunks.size();
 }
 
 void growable_buffer::trim_to(std::size_t n, const char* what) {
+  impl& m = *p_;
   const std::uintptr_t keep_end = base_ + round_up(n, gran_);
   status err{};
-  if (!stray_.empty()) err = clean_strays();
+  if (!m.strays.empty()) err = m.strays.retry(m.d);
   // Tail first: only whole chunks past the end go (cuMemUnmap unmaps exactly one map()'s range).
-  while (!chunks_.empty() && chunks_.back().va >= keep_end) {
-    const chunk c = chunks_.back();
-    status s = twice([&] { return b_->unmap(c.va, c.size); }, calls_.unmap, calls_.failures);
+  while (!m.chunks.empty() && m.chunks.back().va >= keep_end) {
+    const impl::chunk c = m.chunks.back();
+    status s = vm::driver::twice([&] { return m.d.unmap(c.va, c.size); });
     if (!s.ok()) {
       err = s;  // still mapped and usable; stays a chunk of this buffer
       break;
     }
-    chunks_.pop_back();
+    m.chunks.pop_back();
     mapped_ -= c.size;
     // After the unmap the VA is free; the physical memory returns with the release.
-    s = twice([&] { return b_->release(c.handle); }, calls_.release, calls_.failures);
+    s = vm::driver::twice([&] { return m.d.release(c.handle); });
     if (!s.ok()) {
-      stray_.push_back({c.va, c.size, c.handle, false});
+      m.strays.add_handle(c.handle, c.size);
       if (err.ok()) err = s;
     }
   }
+  chunks_ = m.chunks.size();
   if (!err.ok())
     throw error(err, std::string(what) + ": size is now " + mib(size_) +
                          ", but returning memory was refused (kept, retried later): " + err.message());

@@ -20,6 +20,10 @@
 #include <utility>
 
 #include "vmmalloc/vmmalloc.hpp"
+#include "vm/driver.hpp"
+#include "vm/granularity.hpp"
+#include "vm/mapping.hpp"
+#include "vm/reservation.hpp"
 
 namespace vmm::ipc {
 
@@ -742,13 +746,14 @@ status imported::close() noexcept {
   auto keep = [&](status s) {
     if (first.ok() && !s.ok()) first = s;
   };
+  // Each call is made once more if refused (as every teardown does): one refusal must not leak.
   std::uintptr_t va = base_;
   for (const auto& [h, n] : handles_) {  // one unmap per map() made
-    keep(b_->unmap(va, n));
+    keep(vm::driver::twice([&] { return b_->unmap(va, n); }));
     va += n;
   }
-  for (const auto& [h, n] : handles_) keep(b_->release(h));
-  if (mapped_) keep(b_->free_reservation(base_, mapped_));
+  for (const auto& [h, n] : handles_) keep(vm::driver::twice([&] { return b_->release(h); }));
+  if (mapped_) keep(vm::driver::twice([&] { return b_->free_reservation(base_, mapped_); }));
   handles_.clear();
   b_ = nullptr;
   base_ = 0;
@@ -774,14 +779,17 @@ status try_import(backend_iface& b, export_handle&& hin, const import_options& o
     return s;
   };
 
-  // The importing device's granularity: every chunk (and so the reservation) is a multiple of it.
+  // The granularity of the importing device and its peers: every chunk (and so the reservation)
+  // must be a multiple of it.
+  vm::driver d(&b);
   chunk_props props;
   props.location = location_kind::device;
   props.id = o.device;
   props.ipc = h.chunks.front().handle.kind;
-  auto g = b.granularity(props);
-  if (!g.ok()) return backend_fail(g.st, "granularity of device " + std::to_string(o.device));
-  const std::size_t gran = g.value.minimum ? g.value.minimum : 1;
+  std::string gwhy;
+  auto g = vm::granularity_for(d, props, o.peers, false, &gwhy);
+  if (!g.ok()) return backend_fail(g.st, gwhy);
+  const std::size_t gran = g.value;
   for (std::size_t i = 0; i < h.chunks.size(); ++i)
     if (h.chunks[i].size % gran)
       return fail(why, errc::invalid_value, EINVAL, "chunk not a granularity multiple", op,
@@ -793,63 +801,82 @@ status try_import(backend_iface& b, export_handle&& hin, const import_options& o
     return fail(why, errc::invalid_value, EINVAL, "too large", op, "mapping does not fit size_t");
 
   imported m;
-  try {
-    m.handles_.reserve(h.chunks.size());
-  } catch (...) {
-    return {errc::out_of_memory, ENOMEM, "ENOMEM", op};
-  }
-  // Exactly the chunks' bytes: never a device-sized range per import.
-  auto r = b.reserve(static_cast<std::size_t>(total), gran);
-  if (!r.ok()) return backend_fail(r.st, "reserve " + std::to_string(total) + " bytes");
-  m.b_ = &b;
-  m.base_ = r.value;
-  m.mapped_ = static_cast<std::size_t>(total);
-
-  // Rollback on failure: `m` unmaps what it mapped, releases what it imported, frees the range.
-  std::size_t mapped_chunks = 0;
-  auto rollback = [&] {
-    std::uintptr_t va = m.base_;
-    for (std::size_t i = 0; i < mapped_chunks; ++i) {
-      b.unmap(va, m.handles_[i].second);
-      va += m.handles_[i].second;
-    }
-    for (const auto& [mh, n] : m.handles_) b.release(mh);
-    b.free_reservation(m.base_, m.mapped_);
-    m.handles_.clear();
-    m.b_ = nullptr;
-  };
-  for (std::size_t i = 0; i < h.chunks.size(); ++i) {
-    auto ih = b.import_handle(h.chunks[i].handle);
-    if (!ih.ok()) {
-      rollback();
-      return backend_fail(ih.st, "import chunk " + std::to_string(i));
-    }
-    m.handles_.emplace_back(ih.value, static_cast<std::size_t>(h.chunks[i].size));  // reserved above
-  }
-  std::uintptr_t va = m.base_;
-  for (std::size_t i = 0; i < m.handles_.size(); ++i) {
-    const auto [mh, n] = m.handles_[i];
-    if (status s = b.map(va, n, mh, 0); !s.ok()) {
-      rollback();
-      return backend_fail(s, "map chunk " + std::to_string(i) + " (" + std::to_string(n) + " bytes)");
-    }
-    ++mapped_chunks;
-    va += n;
-  }
-  // One set_access over the whole range, for every device at once.
   std::vector<access_desc> acc;
   try {
+    m.handles_.reserve(h.chunks.size());
     acc.reserve(1 + o.peers.size());
     acc.push_back({o.device, o.mode});
     acc.insert(acc.end(), o.peers.begin(), o.peers.end());
   } catch (...) {
-    rollback();
     return {errc::out_of_memory, ENOMEM, "ENOMEM", op};
   }
-  if (status s = b.set_access(m.base_, m.mapped_, acc); !s.ok()) {
-    rollback();
-    return backend_fail(s, "set_access for device " + std::to_string(o.device));
+  // Exactly the chunks' bytes: never a device-sized range per import.
+  vm::reservation res;
+  if (status s = res.open(d, static_cast<std::size_t>(total), gran); !s.ok())
+    return backend_fail(s, "reserve " + std::to_string(total) + " bytes");
+
+  // All or nothing: imported handles are the import's own (released on failure), mappings are
+  // undone by the transaction, the reservation freed by `res`.
+  vm::strays left;
+  status err{};
+  std::string what;
+  {
+    vm::mapping_txn txn(d, left);
+    std::size_t i = 0;
+    for (; i < h.chunks.size(); ++i) {
+      auto ih = d.import_handle(h.chunks[i].handle);
+      if (!ih.ok()) {
+        err = ih.st;
+        what = "import chunk " + std::to_string(i);
+        break;
+      }
+      m.handles_.emplace_back(ih.value, static_cast<std::size_t>(h.chunks[i].size));  // reserved above
+    }
+    std::uintptr_t va = res.base();
+    for (std::size_t k = 0; err.ok() && k < m.handles_.size(); ++k) {
+      const auto [mh, n] = m.handles_[k];
+      if (status s = txn.map(va, n, mh, true); !s.ok()) {
+        err = s;
+        what = "map chunk " + std::to_string(k) + " (" + std::to_string(n) + " bytes)";
+        // txn released chunk k; the ones after it were never mapped
+        for (std::size_t r = k + 1; r < m.handles_.size(); ++r)
+          if (!vm::driver::twice([&] { return d.release(m.handles_[r].first); }).ok())
+            left.add_handle(m.handles_[r].first, m.handles_[r].second);
+        m.handles_.clear();
+        break;
+      }
+      va += n;
+    }
+    // One set_access over the whole range, for every device at once.
+    if (err.ok()) {
+      err = txn.set_access(res.base(), res.size(), acc);
+      if (!err.ok()) what = "set_access for device " + std::to_string(o.device);
+    }
+    if (err.ok()) {
+      txn.commit();
+    } else {
+      txn.rollback();
+      if (!m.handles_.empty() && i < h.chunks.size())  // an import failed: nothing was mapped yet
+        for (const auto& [mh, n] : m.handles_)
+          if (!vm::driver::twice([&] { return d.release(mh); }).ok()) left.add_handle(mh, n);
+      m.handles_.clear();
+    }
   }
+  if (!err.ok()) {
+    // What the driver still refused to undo cannot be kept by anyone: a mapping left in place
+    // keeps its reservation too (freeing it under a live mapping is worse than the leak).
+    if (!left.retry(d).ok()) {
+      bool mapped = false;
+      for (const auto& e : left.entries()) mapped = mapped || e.mapped;
+      if (mapped) (void)res.release_without_freeing();
+      what += " (and undoing it was refused: " + std::to_string(left.size()) + " driver objects leaked)";
+    }
+    return backend_fail(err, what);
+  }
+  m.b_ = &b;
+  m.base_ = res.base();
+  m.mapped_ = res.size();
+  (void)res.release_without_freeing();  // m owns the range now: close() frees it
   m.ptr_ = reinterpret_cast<void*>(m.base_ + h.offset);
   m.size_ = static_cast<std::size_t>(h.size);
   m.kind_ = h.kind;

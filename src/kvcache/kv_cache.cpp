@@ -11,6 +11,11 @@
 #include <thread>
 #include <utility>
 
+#include "vm/driver.hpp"
+#include "vm/granularity.hpp"
+#include "vm/mapping.hpp"
+#include "vm/reservation.hpp"
+
 namespace vmm {
 
 namespace {
@@ -23,34 +28,24 @@ status fail(errc k, const char* name) { return {k, 0, name, "kv_cache"}; }
   throw error(fail(errc::invalid_value, name), "vmm::kv_cache" + what);
 }
 
-// Backend calls of one operation: attempts (retries included) and refusals.
+// Backend calls of one operation (attempts, retries included) and refusals, attributed to a path
+// (append, map-ahead): vm::driver counts every call; a scope collects this thread's share.
 struct calls {
   std::uint64_t n = 0, failures = 0;
-  template <class F>
-  status once(F&& f) {
-    ++n;
-    status s = f();
-    if (!s.ok()) ++failures;
-    return s;
-  }
-  // Once more if the driver refused (returning memory must not leak on one refusal).
-  template <class F>
-  status twice(F&& f) {
-    status s = once(f);
-    return s.ok() ? s : once(f);
-  }
 };
-
-struct stray {
-  std::uintptr_t va = 0;
-  mem_handle h = 0;
-  bool mapped = false;  // the mapping still has to be undone before the release
+struct counting {
+  calls& c;
+  vm::driver::scope sc{c.n, c.failures};
+  explicit counting(calls& x) : c(x) {}
 };
 
 }  // namespace
 
 struct kv_cache::impl {
+  explicit impl(std::unique_ptr<backend_iface> bb) : b(std::move(bb)), d(b.get()) {}
   std::unique_ptr<backend_iface> b;
+  vm::driver d;
+  vm::reservation res;
   kv_cache_config cfg;
   chunk_props props;
   std::vector<access_desc> access;  // owner + peers: one set_access per buffer per mapping round
@@ -66,7 +61,7 @@ struct kv_cache::impl {
   };
   std::vector<slot> slots;
   std::vector<mem_handle> pool;  // created, unmapped
-  std::vector<stray> strays;     // refused rollback / unmap work, retried before the next mapping
+  vm::strays strays;             // refused rollback / unmap work, retried before the next mapping
 
   mutable std::mutex mu;
   std::condition_variable cv;  // state changes: work for the thread, a slot no longer busy, idle
@@ -110,74 +105,56 @@ struct kv_cache::impl {
     std::vector<mem_handle> pooled;  // in: handles to map first (taken from the back)
     std::vector<mem_handle> out;     // success: [buf * (to - from) + (p - from)]
     std::vector<mem_handle> back;    // failure (and leftovers): handles for the pool
-    std::vector<stray> strays;       // failure: rollback work the driver refused twice
+    vm::strays strays;               // failure: rollback work the driver refused twice
     std::uint64_t created = 0, reused = 0, released = 0;
     calls c;
     status st;
   };
 
   // Maps pages [from, to) of slot s in every buffer: per buffer, one map per page and one
-  // set_access over the range. All or nothing: on failure every mapping made is unmapped, created
-  // handles are released and pooled ones handed back.
+  // set_access over the range. All or nothing (vm::mapping_txn): on failure every mapping made is
+  // unmapped, created handles are released and pooled ones handed back.
   void run(job& j) {
-    struct made {
-      std::uintptr_t va;
-      mem_handle h;
-      bool created, mapped;
-    };
+    counting k(j.c);
     const std::size_t n = j.to - j.from;
-    std::vector<made> m;
-    m.reserve(nbuf * n);
+    vm::mapping_txn txn(d, j.strays);
+    std::vector<std::pair<mem_handle, bool>> made;  // handle, created
+    made.reserve(nbuf * n);
     status err{};
     for (std::size_t buf = 0; buf < nbuf && err.ok(); ++buf) {
       for (std::size_t p = j.from; p < j.to && err.ok(); ++p) {
-        const std::uintptr_t va = va_of(buf, j.s, p);
-        made x{va, 0, false, false};
-        if (!j.pooled.empty()) {
-          x.h = j.pooled.back();
+        mem_handle h = 0;
+        const bool created = j.pooled.empty();
+        if (!created) {
+          h = j.pooled.back();
           j.pooled.pop_back();
         } else {
-          auto r = result<mem_handle>{};
-          j.c.once([&] { return (r = b->create(P, props)).st; });
+          auto r = d.create(P, props);
           if (!r.ok()) {
             err = r.st;
             break;
           }
-          x.h = r.value;
-          x.created = true;
+          h = r.value;
           ++j.created;
         }
-        status s = j.c.once([&] { return b->map(va, P, x.h, 0); });
-        x.mapped = s.ok();
-        m.push_back(x);
-        if (!s.ok()) err = s;
+        err = txn.map(va_of(buf, j.s, p), P, h, created);
+        if (err.ok()) made.emplace_back(h, created);
       }
       // A mapping has no access until this grants it (cuMemMap's rule); the range spans n mappings.
-      if (err.ok()) err = j.c.once([&] { return b->set_access(va_of(buf, j.s, j.from), n * P, access); });
+      if (err.ok()) err = txn.set_access(va_of(buf, j.s, j.from), n * P, access);
     }
     if (err.ok()) {
-      j.out.reserve(m.size());
-      for (auto& x : m) {
-        j.out.push_back(x.h);
-        if (!x.created) ++j.reused;
+      txn.commit();
+      j.out.reserve(made.size());
+      for (auto& [h, created] : made) {
+        j.out.push_back(h);
+        if (!created) ++j.reused;
       }
-      j.back.insert(j.back.end(), j.pooled.begin(), j.pooled.end());
-      j.pooled.clear();
-      return;
-    }
-    j.st = err;
-    for (auto it = m.rbegin(); it != m.rend(); ++it) {
-      if (it->mapped && !j.c.twice([&] { return b->unmap(it->va, P); }).ok()) {
-        j.strays.push_back({it->va, it->h, true});
-        continue;
-      }
-      if (!it->created) {
-        j.back.push_back(it->h);
-      } else if (j.c.twice([&] { return b->release(it->h); }).ok()) {
-        ++j.released;
-      } else {
-        j.strays.push_back({it->va, it->h, false});
-      }
+    } else {
+      j.st = err;
+      txn.rollback();
+      for (auto& l : txn.returned()) j.back.push_back(l.h);
+      j.released += txn.released_bytes() / P;
     }
     j.back.insert(j.back.end(), j.pooled.begin(), j.pooled.end());
     j.pooled.clear();
@@ -219,7 +196,7 @@ struct kv_cache::impl {
     st.pages_created += j.created;
     st.pages_released += j.released;
     pool.insert(pool.end(), j.back.begin(), j.back.end());
-    strays.insert(strays.end(), j.strays.begin(), j.strays.end());
+    strays.take(j.strays);
     if (!j.st.ok()) return;
     slot& sl = slots[j.s];
     const std::size_t n = j.to - j.from;
@@ -231,40 +208,28 @@ struct kv_cache::impl {
   }
 
   // Under the lock: retries parked work. A stray mapping would block mapping its page again.
-  status clean_strays(calls& c) {
-    status first{};
-    for (auto it = strays.begin(); it != strays.end();) {
-      status s{};
-      if (it->mapped) {
-        s = c.twice([&] { return b->unmap(it->va, P); });
-        if (s.ok()) it->mapped = false;
-      }
-      if (s.ok()) s = c.twice([&] { return b->release(it->h); });
-      if (s.ok()) {
-        ++st.pages_released;
-        it = strays.erase(it);
-      } else {
-        if (first.ok()) first = s;
-        ++it;
-      }
-    }
-    return first;
+  status clean_strays() {
+    std::size_t released = 0;
+    status s = strays.retry(d, &released);
+    st.pages_released += released / P;
+    return s;
   }
 
   // Under the lock: unmaps pages [keep, mapped) of sl into the pool, top page first. A refused
   // unmap (twice) parks that page as a stray; the slot shrinks anyway. Returns the first refusal.
   status unmap_down_to(slot& sl, std::size_t s, std::size_t keep, std::uint64_t* path = nullptr) {
     calls c;
+    counting k(c);
     status err{};
     for (std::size_t p = sl.mapped; p-- > keep;) {
       for (std::size_t buf = 0; buf < nbuf; ++buf) {
         const std::uintptr_t va = va_of(buf, s, p);
         const mem_handle h = sl.h[buf * maxp + p];
-        status x = c.twice([&] { return b->unmap(va, P); });
+        status x = vm::driver::twice([&] { return d.unmap(va, P); });
         if (x.ok()) {
           pool.push_back(h);
         } else {
-          strays.push_back({va, h, true});
+          strays.add_mapping(va, P, h);
           if (err.ok()) err = x;
         }
       }
@@ -305,7 +270,11 @@ struct kv_cache::impl {
       next = s + 1;
       if (!strays.empty()) {
         calls c;
-        status x = clean_strays(c);
+        status x{};
+        {
+          counting k(c);
+          x = clean_strays();
+        }
         account(c, &st.map_ahead_driver_calls);
         if (!x.ok()) {
           slots[s].ahead_failed = true;
@@ -367,26 +336,29 @@ struct kv_cache::impl {
     cv.notify_all();
     if (worker.joinable()) worker.join();
     if (!b) return;
-    // Teardown cannot report errors: each call is retried once. A handle whose mapping could not
-    // be undone is still released (memory returns when the mapping goes, the driver's rule).
+    // Teardown cannot report errors: each call is made once more if refused. A handle whose
+    // mapping could not be undone is still released (memory returns when the mapping goes, the
+    // driver's rule).
     calls c;
-    for (std::size_t s = 0; s < slots.size(); ++s) {
-      slot& sl = slots[s];
-      for (std::size_t p = sl.mapped; p-- > 0;)
-        for (std::size_t buf = 0; buf < nbuf; ++buf) {
-          const mem_handle h = sl.h[buf * maxp + p];
-          (void)c.twice([&] { return b->unmap(va_of(buf, s, p), P); });
-          if (c.twice([&] { return b->release(h); }).ok()) ++st.pages_released;
-        }
-      sl.mapped = 0;
-      sl.open = false;
+    {
+      counting k(c);
+      for (std::size_t s = 0; s < slots.size(); ++s) {
+        slot& sl = slots[s];
+        for (std::size_t p = sl.mapped; p-- > 0;)
+          for (std::size_t buf = 0; buf < nbuf; ++buf) {
+            const mem_handle h = sl.h[buf * maxp + p];
+            (void)vm::driver::twice([&] { return d.unmap(va_of(buf, s, p), P); });
+            if (vm::driver::twice([&] { return d.release(h); }).ok()) ++st.pages_released;
+          }
+        sl.mapped = 0;
+        sl.open = false;
+      }
+      for (mem_handle h : pool)
+        if (vm::driver::twice([&] { return d.release(h); }).ok()) ++st.pages_released;
+      pool.clear();
+      (void)clean_strays();
+      (void)res.reset();
     }
-    for (mem_handle h : pool)
-      if (c.twice([&] { return b->release(h); }).ok()) ++st.pages_released;
-    pool.clear();
-    (void)clean_strays(c);
-    strays.clear();
-    if (reserved) (void)c.twice([&] { return b->free_reservation(base, reserved); });
     account(c, nullptr);
     b.reset();
   }
@@ -394,11 +366,11 @@ struct kv_cache::impl {
 
 // ---- construction --------------------------------------------------------------------------------
 
-kv_cache::kv_cache(std::unique_ptr<backend_iface> b, const kv_cache_config& c) : p_(std::make_unique<impl>()) {
+kv_cache::kv_cache(std::unique_ptr<backend_iface> b, const kv_cache_config& c) {
+  if (!b) bad("no backend", ": no backend");
+  p_ = std::make_unique<impl>(std::move(b));
   impl& m = *p_;
-  m.b = std::move(b);
   m.cfg = c;
-  if (!m.b) bad("no backend", ": no backend");
   const struct {
     std::size_t v;
     const char* name;
@@ -410,25 +382,18 @@ kv_cache::kv_cache(std::unique_ptr<backend_iface> b, const kv_cache_config& c) :
   m.props.location = location_kind::device;
   m.props.id = c.device;
   calls k;
-  auto g = result<granularity_info>{};
-  k.once([&] { return (g = m.b->granularity(m.props)).st; });
-  if (!g.ok()) throw_status(g.st, "vmm::kv_cache: granularity of device " + std::to_string(c.device));
-  m.gran = g.value.minimum;
+  counting kk(k);
   m.access.push_back({c.device, access_mode::read_write});
-  for (const auto& p : c.peers) {
-    if (p.device == c.device) continue;
-    if (!m.b->can_access_peer(p.device, c.device))
-      bad("peer cannot access the owner", ": device " + std::to_string(p.device) +
-                                              " cannot access device " + std::to_string(c.device));
-    chunk_props pp = m.props;
-    pp.id = p.device;
-    auto pg = result<granularity_info>{};
-    k.once([&] { return (pg = m.b->granularity(pp)).st; });
-    if (!pg.ok()) throw_status(pg.st, "vmm::kv_cache: granularity of peer " + std::to_string(p.device));
-    m.gran = std::max(m.gran, pg.value.minimum);
-    m.access.push_back(p);
+  for (const auto& p : c.peers)
+    if (p.device != c.device) m.access.push_back(p);
+  std::string why;
+  auto g = vm::granularity_for(m.d, m.props, m.access, false, &why);
+  if (!g.ok()) {
+    if (g.st.kind == errc::invalid_value) bad("peer cannot access the owner", ": " + why);
+    throw_status(g.st, "vmm::kv_cache: " + why);
   }
-  if (m.gran == 0) bad("bad granularity", ": granularity 0");
+  m.gran = g.value;
+
   m.P = c.page_size ? c.page_size : m.gran;
   if (m.P % m.gran)
     bad("page_size not a multiple of the granularity",
@@ -451,12 +416,11 @@ kv_cache::kv_cache(std::unique_ptr<backend_iface> b, const kv_cache_config& c) :
   m.slots.resize(c.max_seqs);
 
   // The one reservation (~3 us on the driver even for TiBs).
-  auto r = result<std::uintptr_t>{};
-  k.once([&] { return (r = m.b->reserve(m.reserved, m.P)).st; });
+  status r = m.res.open(m.d, m.reserved, m.P);
   m.account(k, nullptr);
   if (!r.ok())
-    throw_status(r.st, "vmm::kv_cache: reserving " + std::to_string(m.reserved >> 20) + " MiB of address space");
-  m.base = r.value;
+    throw_status(r, "vmm::kv_cache: reserving " + std::to_string(m.reserved >> 20) + " MiB of address space");
+  m.base = m.res.base();
   if (m.ahead()) m.worker = std::thread([&m] { m.work(); });
 }
 
@@ -533,7 +497,11 @@ std::size_t kv_cache::append(seq_id s, std::size_t n) {
                             std::to_string(m.nbuf) + " buffers)";
     if (!m.strays.empty()) {
       calls c;
-      status x = m.clean_strays(c);
+      status x{};
+      {
+        counting k(c);
+        x = m.clean_strays();
+      }
       m.account(c, &m.st.append_driver_calls);
       if (!x.ok()) throw_status(x, ctx + ": undoing an earlier failed step");
     }
@@ -600,18 +568,27 @@ std::size_t kv_cache::trim(std::size_t keep) {
   std::lock_guard g(m.mu);
   calls c;
   std::size_t released = 0;
-  status err = m.clean_strays(c);  // parked unmaps and releases first: giving memory back is why we are here
+  status err{};
+  {
+    counting k(c);
+    err = m.clean_strays();  // parked unmaps and releases first: giving memory back is why we are here
+  }
+  m.account(c, nullptr);
   if (err.ok() && m.cfg.retain_closed)  // retained pages are pooled memory too: unmap them first
     err = m.reclaim(std::numeric_limits<std::size_t>::max(), m.slots.size(), nullptr);
-  while (err.ok() && m.pool.size() > keep) {
-    const mem_handle h = m.pool.back();
-    err = c.twice([&] { return m.b->release(h); });
-    if (!err.ok()) break;  // stays pooled: a later trim retries
-    m.pool.pop_back();
-    ++released;
+  calls r;
+  {
+    counting k(r);
+    while (err.ok() && m.pool.size() > keep) {
+      const mem_handle h = m.pool.back();
+      err = vm::driver::twice([&] { return m.d.release(h); });
+      if (!err.ok()) break;  // stays pooled: a later trim retries
+      m.pool.pop_back();
+      ++released;
+    }
   }
   m.st.pages_released += released;
-  m.account(c, nullptr);
+  m.account(r, nullptr);
   if (!err.ok())
     throw error(err, "vmm::kv_cache::trim: released " + std::to_string(released) +
                          " pages, then the driver refused: " + err.message());

@@ -35,6 +35,11 @@ class strays {
   };
   void add_mapping(std::uintptr_t va, std::size_t size, mem_handle h) { v_.push_back({va, size, h, true}); }
   void add_handle(mem_handle h, std::size_t size) { v_.push_back({0, size, h, false}); }
+  // Moves another list's entries here (a job's rollback work into its owner's list).
+  void take(strays& o) {
+    v_.insert(v_.end(), o.v_.begin(), o.v_.end());
+    o.v_.clear();
+  }
   // Unmaps (then releases) what is parked, each call made twice at most. Returns the first refusal;
   // what is still refused stays parked. released: bytes whose handle went back to the driver.
   status retry(driver& d, std::size_t* released = nullptr);

@@ -49,6 +49,13 @@ class reservation {
     return s;
   }
 
+  // Gives up ownership without freeing: the range now belongs to whoever took base()/size().
+  std::uintptr_t release_without_freeing() noexcept {
+    d_ = nullptr;
+    size_ = 0;
+    return std::exchange(base_, 0);
+  }
+
   std::uintptr_t base() const noexcept { return base_; }
   std::size_t size() const noexcept { return size_; }
   bool contains(std::uintptr_t a) const noexcept { return a - base_ < size_; }

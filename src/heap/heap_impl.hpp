@@ -1,0 +1,425 @@
+// The heap's state: blocks, slabs, spans, free lists, stream tags, and the operations on them.
+// One struct, its members defined by concept:
+//   blocks.cpp   block pool and page chains (free(p) finds its block in O(1))
+//   tlsf.cpp     free lists of span blocks (TLSF good fit)
+//   spans.cpp    spans of mapped VA: split, coalesce, grow, chunk release, release threshold
+//   huge.cpp     dedicated chunks (huge sizes, exportable allocations)
+//   slabs.cpp    size classes, slabs and the thread-cache protocol
+//   streams.cpp  stream tags, fences, deferred frees, record_stream
+//   check.cpp    the invariant checker
+//   heap.cpp     the entry points (heap.hpp) and stats
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cassert>
+#include <map>
+#include <memory>
+#include <new>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "heap/heap.hpp"
+#include "heap/tlsf.hpp"
+
+namespace vmm {
+
+namespace heap_detail {
+constexpr std::uint32_t kOwnerSpan = 0, kOwnerHuge = 1;  // arena::chunk::owner tags
+
+inline std::size_t align_up(std::size_t n, std::size_t a) { return (n + a - 1) & ~(a - 1); }
+inline std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1) / g * g; }
+inline status fail(errc k, const char* name) { return {k, 0, name, "heap"}; }
+}  // namespace heap_detail
+
+struct heap::impl {
+  static constexpr int kFlCount = heap_detail::kFlCount, kSlCount = heap_detail::kSlCount;
+
+  enum : std::uint8_t { f_free = 1, f_sentinel = 2, f_slab = 4, f_huge = 8, f_tagged = 16, f_exported = 32 };
+
+  struct block {
+    std::uintptr_t addr = 0;
+    std::size_t size = 0;
+    block* prev_phys = nullptr;  // neighbours in the span (null at the span's start)
+    block* next_phys = nullptr;  // the span's sentinel after its last block
+    block* prev_free = nullptr;  // TLSF list links (free blocks only)
+    block* next_free = nullptr;
+    block* page_prev = nullptr;  // chain of blocks starting in the same page (O(1) free lookup)
+    block* page_next = nullptr;
+    std::size_t requested = 0;   // bytes asked for (live blocks)
+    stream_t stream = nullptr;   // live: allocating stream; free + f_tagged: freeing stream
+    std::uint64_t free_seq = 0;  // value of seq when freed
+    std::uint8_t flags = 0;
+  };
+
+  // Per-slot arrays written on the thread-cache hot path: each starts on its own cache line and
+  // is padded to whole lines, so two threads' slabs never share a line (small classes have tiny
+  // arrays that malloc would otherwise pack side by side: false sharing on every free).
+  template <class T>
+  struct line_array {
+    T* p = nullptr;
+    std::size_t bytes = 0;
+    void reset(std::size_t n) {
+      release();
+      bytes = (n * sizeof(T) + 63) / 64 * 64;
+      p = static_cast<T*>(::operator new(bytes, std::align_val_t{64}));
+      for (std::size_t i = 0; i < n; ++i) new (&p[i]) T();
+    }
+    void release() {
+      if (p) ::operator delete(p, std::align_val_t{64});
+      p = nullptr;
+    }
+    ~line_array() { release(); }
+    T& operator[](std::size_t i) const { return p[i]; }
+  };
+
+  struct alignas(64) slab {
+    std::uintptr_t base = 0;
+    block* blk = nullptr;
+    stream_t stream = nullptr;
+    std::uint32_t cls = 0, slot = 0, nslots = 0, used = 0;  // used counts live + deferred slots
+    std::uint64_t inv = 0;  // ceil(2^40 / slot): index = off * inv >> 40, exact for off < 2^24
+    std::uint32_t index(std::uintptr_t off) const { return static_cast<std::uint32_t>((off * inv) >> 40); }
+    std::vector<std::uint32_t> free;   // stack of free slot indices: pop = O(1)
+    // Per slot: 0 free, 1 the user's, 2 in a thread cache, 3 the user's with record_stream.
+    // Atomic bytes: thread caches flip their own slots without the heap lock.
+    line_array<std::atomic<std::uint8_t>> state;
+    line_array<std::uint32_t> req;  // requested bytes per slot
+    std::uint64_t owner = 0;  // thread cache that refills from it (0: none): no false sharing
+    slab* prev = nullptr;              // class list of slabs with a free slot
+    slab* next = nullptr;
+    bool listed = false;
+  };
+
+  struct stream_state {
+    fence_t fence = 0;
+    std::uint64_t fence_seq = 0;  // the fence covers every free with free_seq < fence_seq
+    bool done = true;
+    // Frees with free_seq < completed_seq are known safe: a completed fence covered them. Kept
+    // apart from the latest fence, so recording a newer one never makes them look busy again.
+    std::uint64_t completed_seq = 0;
+  };
+
+  struct deferred {  // a free waiting for fences of extra streams (record_stream, cross-stream)
+    std::uintptr_t p;
+    stream_t s;
+    std::vector<fence_t> fences;
+  };
+
+  struct page_entry {
+    std::atomic<slab*> s{nullptr};  // read without the lock by the thread-cache free path
+    block* starts = nullptr;
+  };
+  slab* slab_at(std::size_t pg) const { return pages[pg].s.load(std::memory_order_acquire); }
+
+  arena& a;
+  std::size_t G;
+  std::vector<page_entry> pages;
+
+  std::uint64_t fl_bitmap = 0;
+  std::uint32_t sl_bitmap[kFlCount] = {};
+  block* lists[kFlCount][kSlCount] = {};
+
+  std::map<std::uintptr_t, block*> span_ends;        // sentinel address -> sentinel
+  std::multimap<std::size_t, block*> huge_cache;     // free huge blocks by size
+  std::unordered_map<stream_t, stream_state> streams;
+  std::unordered_map<std::uintptr_t, std::vector<stream_t>> extra_streams;
+  std::vector<deferred> deferred_frees;
+  std::uint64_t seq = 0;
+  std::size_t next_growth;
+
+  // size classes: multiples of 256 up to 2 KiB, then 4 per octave, up to small_max
+  std::vector<std::uint32_t> class_size;
+  std::vector<std::uint8_t> class_of_units;  // index (n + 255) / 256
+  std::unordered_map<stream_t, std::vector<slab*>> class_heads;
+  stream_t last_stream = nullptr;
+  std::vector<slab*>* last_heads = nullptr;
+
+  // block pool: no malloc per split on the hot path
+  std::vector<std::unique_ptr<block[]>> pool;
+  std::vector<block*> pool_free;
+
+  heap_stats st;
+
+  explicit impl(arena& ar);
+
+  std::size_t small_limit() const { return class_size.empty() ? 0 : class_size.back(); }
+  bool whole_chunks() const { return a.whole_chunks(); }  // placement policy (ipc)
+
+  // ---- block pool and page chains ----
+  block* new_block();
+  void delete_block(block* b) { pool_free.push_back(b); }
+
+  void link_page(block* b);
+  void unlink_page(block* b);
+  block* block_at(std::uintptr_t p) const;
+  // Block whose range holds p (slow path: walks back over pages of a long block).
+  block* block_containing(std::uintptr_t p) const;
+
+  // ---- TLSF free lists ----
+  void insert_free(block* b);
+  void remove_free(block* b);
+
+  // ---- streams ----
+  // Makes sure the stream's latest fence was recorded after free number seq_at_free.
+  status fence_after(stream_state& ss, stream_t s, std::uint64_t seq_at_free);
+  void note_done(stream_state& ss);
+
+  // Whether a fence recorded on s after free number `seq_at_free` has completed. Records the
+  // fence lazily (first time another stream asks) and only queries it: never waits.
+  bool fence_covers(stream_t s, std::uint64_t seq_at_free);
+  // The same, but waits for that fence (slow path: unmapping). A fence that cannot be recorded is
+  // an error, never "done".
+  status wait_covered(stream_t s, std::uint64_t seq_at_free);
+  bool usable(block* b, stream_t x);
+  static bool compatible(const block* l, const block* r);
+
+  block* find_free(std::size_t size, stream_t x);
+
+  block* find_good_fit(std::size_t size, stream_t x);
+
+  // ---- split, merge, chunk accounting ----
+  block* split(block* b, std::uintptr_t at);
+  void absorb(block* l, block* r);  // l, r adjacent, neither in a free list
+  void account(std::uintptr_t addr, std::size_t size, bool add);
+
+  // ---- large path ----
+  result<block*> allocate_large(std::size_t n, std::size_t align, stream_t x);
+
+  void free_large(block* b, stream_t s);
+
+  // Adds mapped [va, va+size) to the spans: extends the span ending at va, or starts a new one.
+  void add_span_range(std::uintptr_t va, std::size_t size, stream_t x);
+
+  status grow(std::size_t need, stream_t x);
+
+  // ---- releasing chunks ----
+  // Unmaps wholly free chunks, oldest first, until the arena holds `target` idle bytes (or none
+  // are left). keep_handle: the physical memory stays for stitching; else it is released.
+  // wait = false (growth, release threshold): chunks whose last stream is still running are
+  // skipped, never waited for. wait = true (trim): waits for those chunks' fences only.
+  status evict_free_chunks(std::size_t target, bool keep_handle, bool wait = false);
+
+  // Whether a free chunk still has a stream that may touch it (fence not known complete).
+  bool chunk_busy(std::uint32_t id);
+
+  status release_chunk(std::uint32_t id, bool keep_handle, bool wait, bool& busy);
+
+  status release_huge(block* b, bool keep_handle);
+  void uncache_huge(block* b);
+
+  // ---- huge path ----
+  result<block*> allocate_huge(std::size_t n, stream_t x);
+
+  void free_huge(block* b, stream_t s);
+
+  // ---- small path ----
+  std::vector<slab*>& heads_for(stream_t x);
+  void list_push(std::vector<slab*>& heads, slab* s);
+  void list_remove(std::vector<slab*>& heads, slab* s);
+
+  result<slab*> new_slab(std::uint32_t cls, stream_t x);
+
+  void destroy_slab(slab* s);
+
+  result<std::uintptr_t> allocate_small(std::size_t n, stream_t x, std::uint8_t state = 1);
+  // Thread caches refill from slabs they own, so two threads never write the same slab's
+  // metadata lines on their hot paths. tag 0 (the locked path) takes any slab.
+  std::unordered_set<std::uint64_t> live_tags;
+  slab* pick_slab(slab* head, std::uint64_t tag);
+
+  result<std::uintptr_t> allocate_class(std::uint32_t cls, std::size_t n, stream_t x, std::uint8_t state, std::uint64_t tag = 0);
+
+  void release_slot(slab* s, std::uint32_t i);
+
+  // ---- deferred frees (record_stream, cross-stream small frees) ----
+  // Records a fence on each stream into `out`, all or nothing: if one cannot be recorded, the
+  // ones already recorded are dropped, `out` is left empty and the driver's error returned.
+  status record_fences(const std::vector<stream_t>& on, std::vector<fence_t>& out);
+  void drop_fences(std::vector<fence_t>& fs);
+
+  void poll_deferred(bool wait);
+
+  void complete_free(std::uintptr_t p, stream_t s);
+
+  void maybe_release();
+
+  void note_alloc(std::size_t n, std::size_t sz);
+  void note_free(std::size_t n, std::size_t sz);
+};
+
+using namespace heap_detail;  // inside namespace vmm: only the heap's own files include this header
+
+// ---- hot primitives: inline, called on every allocation and free (out of line they cost ~5 %
+// of the replay's ns/event: -O2 inlines only functions declared inline beyond a few insns) ----
+
+inline heap::impl::block* heap::impl::new_block() {
+  if (pool_free.empty()) {
+    constexpr std::size_t n = 256;
+    pool.emplace_back(new block[n]);
+    for (std::size_t i = 0; i < n; ++i) pool_free.push_back(&pool.back()[i]);
+  }
+  block* b = pool_free.back();
+  pool_free.pop_back();
+  *b = block{};
+  return b;
+}
+
+inline void heap::impl::link_page(block* b) {
+  auto& e = pages[a.page_of(b->addr)];
+  b->page_prev = nullptr;
+  b->page_next = e.starts;
+  if (e.starts) e.starts->page_prev = b;
+  e.starts = b;
+}
+
+inline void heap::impl::unlink_page(block* b) {
+  if (b->page_prev) b->page_prev->page_next = b->page_next;
+  else pages[a.page_of(b->addr)].starts = b->page_next;
+  if (b->page_next) b->page_next->page_prev = b->page_prev;
+  b->page_prev = b->page_next = nullptr;
+}
+
+inline heap::impl::block* heap::impl::block_at(std::uintptr_t p) const {
+  for (block* b = pages[a.page_of(p)].starts; b; b = b->page_next)
+    if (b->addr == p) return b;
+  return nullptr;
+}
+
+inline void heap::impl::insert_free(block* b) {
+  int fl, sl;
+  mapping(b->size, fl, sl);
+  b->prev_free = nullptr;
+  b->next_free = lists[fl][sl];
+  if (b->next_free) b->next_free->prev_free = b;
+  lists[fl][sl] = b;
+  fl_bitmap |= std::uint64_t{1} << fl;
+  sl_bitmap[fl] |= 1u << sl;
+}
+
+inline void heap::impl::remove_free(block* b) {
+  int fl, sl;
+  mapping(b->size, fl, sl);
+  if (b->prev_free) b->prev_free->next_free = b->next_free;
+  else lists[fl][sl] = b->next_free;
+  if (b->next_free) b->next_free->prev_free = b->prev_free;
+  b->prev_free = b->next_free = nullptr;
+  if (!lists[fl][sl]) {
+    sl_bitmap[fl] &= ~(1u << sl);
+    if (!sl_bitmap[fl]) fl_bitmap &= ~(std::uint64_t{1} << fl);
+  }
+}
+
+inline bool heap::impl::usable(block* b, stream_t x) {
+  if (b->flags & f_exported) return false;  // free but not yet released (see free_huge)
+  return !(b->flags & f_tagged) || b->stream == x || fence_covers(b->stream, b->free_seq);
+}
+
+inline bool heap::impl::compatible(const block* l, const block* r) {
+  if (!(l->flags & f_free) || !(r->flags & f_free)) return false;
+  if ((l->flags | r->flags) & f_sentinel) return false;
+  bool lt = l->flags & f_tagged, rt = r->flags & f_tagged;
+  return lt == rt && (!lt || l->stream == r->stream);
+}
+
+inline void heap::impl::note_alloc(std::size_t n, std::size_t sz) {
+  st.requested += n;
+  st.allocated += sz;
+  // With thread caches, requested bytes of cache-served blocks live in the caches' counters, so
+  // this counter alone can dip "below zero" (mod 2^64) when such a block is freed here. Only a
+  // non-wrapped value is a candidate for the peak.
+  if (static_cast<std::int64_t>(st.requested) >= 0)
+    st.peak_requested = std::max(st.peak_requested, st.requested);
+  st.peak_allocated = std::max(st.peak_allocated, st.allocated);
+  ++st.allocs;
+  ++st.live;
+}
+
+inline void heap::impl::note_free(std::size_t n, std::size_t sz) {
+  st.requested -= n;
+  st.allocated -= sz;
+  ++st.frees;
+  --st.live;
+}
+
+inline void heap::impl::account(std::uintptr_t addr, std::size_t size, bool add) {
+  for (std::uintptr_t x = addr, end = addr + size; x < end;) {
+    std::uint32_t id = a.chunk_at(x);
+    auto& c = a.get(id);
+    std::size_t n = std::min<std::uintptr_t>(end, c.va + c.size) - x;
+    if (add) a.add_used(id, n); else a.sub_used(id, n);
+    x += n;
+  }
+}
+
+inline heap::impl::block* heap::impl::split(block* b, std::uintptr_t at) {
+  block* nb = new_block();
+  nb->addr = at;
+  nb->size = b->addr + b->size - at;
+  nb->flags = b->flags & (f_free | f_tagged);
+  nb->stream = b->stream;
+  nb->free_seq = b->free_seq;
+  nb->prev_phys = b;
+  nb->next_phys = b->next_phys;
+  if (b->next_phys) b->next_phys->prev_phys = nb;
+  b->next_phys = nb;
+  b->size = at - b->addr;
+  link_page(nb);
+  return nb;
+}
+
+inline void heap::impl::absorb(block* l, block* r) {
+  l->size += r->size;
+  l->free_seq = std::max(l->free_seq, r->free_seq);
+  l->next_phys = r->next_phys;
+  if (r->next_phys) r->next_phys->prev_phys = l;
+  unlink_page(r);
+  delete_block(r);
+}
+
+inline std::vector<heap::impl::slab*>& heap::impl::heads_for(stream_t x) {
+  if (last_heads && last_stream == x) return *last_heads;
+  auto& v = class_heads[x];
+  if (v.empty()) v.assign(class_size.size(), nullptr);
+  last_stream = x;
+  last_heads = &v;  // unordered_map references stay valid across rehash
+  return v;
+}
+
+inline void heap::impl::list_push(std::vector<slab*>& heads, slab* s) {
+  s->prev = nullptr;
+  s->next = heads[s->cls];
+  if (s->next) s->next->prev = s;
+  heads[s->cls] = s;
+  s->listed = true;
+}
+
+inline void heap::impl::list_remove(std::vector<slab*>& heads, slab* s) {
+  if (s->prev) s->prev->next = s->next; else heads[s->cls] = s->next;
+  if (s->next) s->next->prev = s->prev;
+  s->prev = s->next = nullptr;
+  s->listed = false;
+}
+
+inline void heap::impl::release_slot(slab* s, std::uint32_t i) {
+  auto& heads = heads_for(s->stream);
+  s->free.push_back(i);
+  --s->used;
+  if (!s->listed) list_push(heads, s);
+  // Keep one empty slab per class and stream; give further empty ones back to the large heap.
+  if (s->used == 0 && (heads[s->cls] != s || s->next)) destroy_slab(s);
+}
+
+inline heap::impl::block* heap::impl::find_free(std::size_t size, stream_t x) {
+  // The list holding `size` itself first (bounded scan): an exact or near-exact fit there keeps
+  // big free blocks whole (closer to best fit than TLSF's good fit, which skips this list).
+  int fl, sl, scanned = 0;
+  mapping(size, fl, sl);
+  for (block* b = lists[fl][sl]; b && scanned < 16; b = b->next_free, ++scanned)
+    if (b->size >= size && usable(b, x)) return b;
+  return find_good_fit(size, x);
+}
+
+
+}  // namespace vmm

@@ -1,0 +1,113 @@
+// Huge blocks: a dedicated chunk per allocation (sizes from options.huge_threshold, and every
+// allocation of an exportable policy), cached on free for a same-size request.
+#include "heap/heap_impl.hpp"
+
+namespace vmm {
+
+
+status heap::impl::release_huge(block* b, bool keep_handle) {
+  assert(b && (b->flags & f_huge) && (b->flags & f_free));
+  if (b->flags & f_exported) keep_handle = false;  // an importer may still map it: never reuse
+  if (b->flags & f_tagged) {
+    status w = wait_covered(b->stream, b->free_seq);
+    if (!w.ok()) return w;
+  }
+  // A huge block may be stitched from several chunks: unmap from the end, shrinking the block,
+  // so a failure part-way leaves a consistent (smaller) cached block.
+  while (b->size) {
+    std::uint32_t id = a.chunk_at(b->addr + b->size - 1);
+    std::size_t cs = a.get(id).size;
+    status u = a.unmap_chunk(id, keep_handle);
+    if (!u.ok()) return u;
+    uncache_huge(b);
+    b->size -= cs;
+    if (b->size) huge_cache.emplace(b->size, b);
+  }
+  unlink_page(b);
+  delete_block(b);
+  return {};
+}
+
+void heap::impl::uncache_huge(block* b) {
+  auto [lo, hi] = huge_cache.equal_range(b->size);
+  for (auto it = lo; it != hi; ++it)
+    if (it->second == b) {
+      huge_cache.erase(it);
+      return;
+    }
+}
+
+result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) {
+  std::size_t size = round_up(n, G);
+  if (size < n) return {nullptr, fail(errc::out_of_memory, "size overflows")};
+  // A cached chunk of the same size (up to 1/8 larger) costs no driver call at all.
+  for (auto it = huge_cache.lower_bound(size); it != huge_cache.end() && it->first <= size + size / 8; ++it) {
+    block* b = it->second;
+    if (!usable(b, x)) continue;
+    huge_cache.erase(it);
+    b->flags = f_huge;
+    b->requested = n;
+    b->stream = x;
+    account(b->addr, b->size, true);
+    return {b, {}};
+  }
+  if (a.opts().stitch_on_grow) {
+    status e = evict_free_chunks(size, true);
+    if (!e.ok()) return {nullptr, e};
+  }
+  auto r = a.map_range(size, 0, kOwnerHuge);
+  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
+    status e = evict_free_chunks(~std::size_t{0}, true);
+    if (!e.ok()) return {nullptr, e};
+    r = a.map_range(size, 0, kOwnerHuge);
+  }
+  if (!r.ok()) return {nullptr, r.st};
+  block* b = new_block();
+  b->addr = r.value;
+  b->size = size;
+  b->flags = f_huge;
+  b->requested = n;
+  b->stream = x;
+  link_page(b);
+  account(b->addr, b->size, true);
+  return {b, {}};
+}
+
+void heap::impl::free_huge(block* b, stream_t s) {
+  account(b->addr, b->size, false);
+  const bool exported = b->flags & f_exported;
+  b->flags = f_huge | f_free | f_tagged;
+  b->stream = s;
+  b->free_seq = ++seq;
+  b->requested = 0;
+  huge_cache.emplace(b->size, b);
+  if (exported) {
+    // An importer may still map these chunks: they must never hold another allocation. Unmap
+    // and release them now (waits for s's work on the block); the importer's own handle keeps
+    // the memory alive until it closes. A failure leaves the block cached, never handed out:
+    if (!release_huge(b, false).ok()) b->flags |= f_exported;  // usable() refuses it below
+    else ++st.exported_released;
+  }
+}
+
+status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes) {
+  auto& m = *p_;
+  if (!m.whole_chunks())
+    return fail(errc::not_supported, "export: the policy is not exportable (options.ipc is none)");
+  impl::block* b = m.a.contains(p) ? m.block_at(p) : nullptr;
+  if (!b || !(b->flags & impl::f_huge) || (b->flags & impl::f_free))
+    return fail(errc::invalid_pointer, "export: pointer is not the start of a live allocation");
+  for (auto& d : m.deferred_frees)
+    if (d.p == p) return fail(errc::invalid_pointer, "export: the allocation's free is pending");
+  ids.clear();
+  for (std::uintptr_t va = b->addr; va < b->addr + b->size;) {
+    std::uint32_t id = m.a.chunk_at(va);
+    ids.push_back(id);
+    va += m.a.get(id).size;
+  }
+  bytes = b->requested;
+  b->flags |= impl::f_exported;
+  return {};
+}
+
+}  // namespace vmm

@@ -1,0 +1,251 @@
+// Spans of mapped VA: split and coalesce blocks, grow by mapping chunks, release wholly free
+// chunks (stitching their handles, the release threshold). See heap.hpp.
+#include "heap/heap_impl.hpp"
+
+namespace vmm {
+
+
+result<heap::impl::block*> heap::impl::allocate_large(std::size_t n, std::size_t align, stream_t x) {
+  std::size_t size = align_up(std::max<std::size_t>(n, 1), kUnit);
+  std::size_t need = size + (align > kUnit ? align - kUnit : 0);
+  if (size < n || need < size) return {nullptr, fail(errc::out_of_memory, "size overflows")};
+  block* b = find_free(need, x);
+  if (!b) {
+    status g = grow(need, x);
+    if (!g.ok()) return {nullptr, g};
+    b = find_free(need, x);
+    if (!b) return {nullptr, fail(errc::out_of_memory, "no block fits after growth")};
+  }
+  remove_free(b);
+  if (align > kUnit) {
+    std::uintptr_t at = align_up(b->addr, align);
+    if (at > b->addr) {
+      block* nb = split(b, at);
+      insert_free(b);
+      b = nb;
+    }
+  }
+  if (b->size - size >= kUnit) insert_free(split(b, b->addr + size));
+  b->flags = 0;
+  b->requested = n;
+  b->stream = x;
+  account(b->addr, b->size, true);
+  return {b, {}};
+}
+
+void heap::impl::free_large(block* b, stream_t s) {
+  account(b->addr, b->size, false);
+  b->flags = f_free | f_tagged;
+  b->stream = s;
+  b->free_seq = ++seq;
+  b->requested = 0;
+  if (b->prev_phys && compatible(b->prev_phys, b)) {
+    block* l = b->prev_phys;
+    remove_free(l);
+    absorb(l, b);
+    b = l;
+  }
+  if (b->next_phys && compatible(b, b->next_phys)) {
+    remove_free(b->next_phys);
+    absorb(b, b->next_phys);
+  }
+  insert_free(b);
+}
+
+void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x) {
+  block* nb = new_block();
+  nb->addr = va;
+  nb->size = size;
+  nb->flags = f_free;
+  auto it = span_ends.find(va);
+  if (it != span_ends.end()) {
+    block* s = it->second;
+    block* tail = s->prev_phys;
+    nb->prev_phys = tail;
+    nb->next_phys = s;
+    tail->next_phys = nb;
+    s->prev_phys = nb;
+    span_ends.erase(it);
+    s->addr = va + size;
+    span_ends[s->addr] = s;
+    link_page(nb);
+    if ((tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
+      // Fresh memory takes the tail's stream tag so the two can serve one request.
+      nb->flags = tail->flags & (f_free | f_tagged);
+      nb->stream = tail->stream;
+      nb->free_seq = tail->free_seq;
+      remove_free(tail);
+      absorb(tail, nb);
+      nb = tail;
+    }
+  } else {
+    block* s = new_block();
+    s->addr = va + size;
+    s->flags = f_sentinel;
+    nb->next_phys = s;
+    s->prev_phys = nb;
+    span_ends[s->addr] = s;
+    link_page(nb);
+  }
+  insert_free(nb);
+}
+
+status heap::impl::grow(std::size_t need, stream_t x) {
+  ++st.grows;
+  std::size_t size = round_up(need, G);
+  if (a.opts().stitch_on_grow) {
+    status e = evict_free_chunks(size, true);  // reuse wholly free chunks' physical memory
+    if (!e.ok()) return e;
+  }
+  // Prefer extending a span whose free tail this stream may use: less new memory, one block.
+  std::uintptr_t at = 0;
+  std::size_t best_tail = 0, ext = size;
+  bool found = false;
+  for (auto& [end, s] : span_ends) {
+    block* t = s->prev_phys;
+    std::size_t tail = (t && (t->flags & f_free) && usable(t, x)) ? t->size : 0;
+    std::size_t e = round_up(need - std::min(tail, need), G);
+    if (e == 0) e = G;
+    if ((!found || tail > best_tail) && a.hole_at(end, e)) {
+      found = true, at = end, best_tail = tail, ext = e;
+    }
+  }
+  // Repeated growth is geometric (driver cost is per call), capped by max_growth.
+  std::size_t geo = std::min(next_growth, std::max(a.opts().max_growth, G));
+  std::size_t want = ext;
+  if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
+  auto r = a.map_range(want, at, kOwnerSpan);
+  if (!r.ok() && want != ext) {
+    want = ext;
+    r = a.map_range(want, at, kOwnerSpan);
+  }
+  if (!r.ok() && at) {  // the hole after the span is gone: start a new span
+    want = size;
+    r = a.map_range(want, 0, kOwnerSpan);
+  }
+  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
+    status e = evict_free_chunks(~std::size_t{0}, true);  // last resort: every idle-able chunk
+    if (!e.ok()) return e;
+    want = size;
+    r = a.map_range(want, 0, kOwnerSpan);
+  }
+  if (!r.ok()) return r.st;
+  add_span_range(r.value, want, x);
+  next_growth = std::min(next_growth * 2, std::max(a.opts().max_growth, G));
+  return {};
+}
+
+status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool wait) {
+  std::uint32_t id = a.oldest_free_chunk();
+  while (id != arena::no_chunk && a.idle_bytes() < target) {
+    bool busy = false;
+    status s = release_chunk(id, keep_handle, wait, busy);
+    if (!s.ok()) return s;
+    // A release may unmap several chunks (a stitched huge block): restart from the list head,
+    // past the busy ones.
+    id = busy ? a.get(id).lru_next : a.oldest_free_chunk();
+    while (!busy && id != arena::no_chunk && chunk_busy(id)) id = a.get(id).lru_next;
+  }
+  return {};
+}
+
+bool heap::impl::chunk_busy(std::uint32_t id) {
+  auto& c = a.get(id);
+  if (c.owner == kOwnerHuge) {
+    block* b = block_at(c.va);
+    if (!b) b = block_containing(c.va);  // stitched huge block starting in an earlier chunk
+    return (b->flags & f_tagged) && !fence_covers(b->stream, b->free_seq);
+  }
+  for (block* b = block_containing(c.va); b && b->addr < c.va + c.size; b = b->next_phys)
+    if ((b->flags & f_tagged) && !fence_covers(b->stream, b->free_seq)) return true;
+  return false;
+}
+
+status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, bool& busy) {
+  busy = !wait && chunk_busy(id);
+  if (busy) return {};
+  auto& c = a.get(id);
+  assert(c.used == 0);
+  ++st.chunk_releases;
+  next_growth = a.opts().min_chunk;  // memory pressure: grow gently again
+  if (c.owner == kOwnerHuge) {
+    block* b = block_at(c.va);
+    if (!b) b = block_containing(c.va);
+    return release_huge(b, keep_handle);
+  }
+  std::uintptr_t cs = c.va, ce = c.va + c.size;
+  block* first = block_containing(cs);
+  block* last = first;
+  while (last->addr + last->size < ce) last = last->next_phys;
+  for (block* b = first;; b = b->next_phys) {  // wait only for this chunk's streams
+    assert(b->flags & f_free);
+    if (b->flags & f_tagged) {
+      status w = wait_covered(b->stream, b->free_seq);
+      if (!w.ok()) return w;
+    }
+    if (b == last) break;
+  }
+  status u = a.unmap_chunk(id, keep_handle);
+  if (!u.ok()) return u;
+  // Cut [cs, ce) out of the span: split the edges, drop the middle, fix the span ends.
+  for (block* b = first;; b = b->next_phys) {
+    remove_free(b);
+    if (b == last) break;
+  }
+  block* left = nullptr;
+  block* right = nullptr;
+  if (first->addr < cs) {
+    left = first;
+    first = split(first, cs);
+    if (last == left) last = first;
+  }
+  if (last->addr + last->size > ce) right = split(last, ce);
+  block* pred = first->prev_phys;
+  block* succ = last->next_phys;
+  for (block* b = first;;) {
+    block* nx = b->next_phys;
+    bool end = b == last;
+    unlink_page(b);
+    delete_block(b);
+    if (end) break;
+    b = nx;
+  }
+  bool succ_is_end = succ->flags & f_sentinel;
+  if (pred) {
+    block* s;
+    if (succ_is_end) {  // nothing right of the chunk: the old sentinel moves to cs
+      span_ends.erase(succ->addr);
+      s = succ;
+    } else {
+      s = new_block();
+      s->flags = f_sentinel;
+      succ->prev_phys = nullptr;
+    }
+    s->addr = cs;
+    s->prev_phys = pred;
+    pred->next_phys = s;
+    span_ends[cs] = s;
+  } else if (succ_is_end) {
+    span_ends.erase(succ->addr);
+    delete_block(succ);
+  } else {
+    succ->prev_phys = nullptr;
+  }
+  if (left) insert_free(left);
+  if (right) insert_free(right);
+  return {};
+}
+
+void heap::impl::maybe_release() {
+  const std::size_t keep = a.opts().release_threshold;
+  if (a.free_chunk_bytes() + a.idle_bytes() <= keep) return;  // the common case: two loads
+  a.release_idle(keep > a.free_chunk_bytes() ? keep - a.free_chunk_bytes() : 0);
+  std::uint32_t id = a.oldest_free_chunk();
+  while (a.free_chunk_bytes() + a.idle_bytes() > keep && id != arena::no_chunk) {
+    bool busy = false;
+    if (!release_chunk(id, false, false, busy).ok()) break;
+    id = busy ? a.get(id).lru_next : a.oldest_free_chunk();
+  }
+}
+
+}  // namespace vmm

@@ -35,7 +35,8 @@ typedef enum vmm_compression { VMM_COMPRESSION_OFF = 0, VMM_COMPRESSION_PREFER =
 typedef enum vmm_ipc { VMM_IPC_NONE = 0, VMM_IPC_POSIX_FD = 1, VMM_IPC_FABRIC = 2 } vmm_ipc;
 typedef enum vmm_location { VMM_LOCATION_DEVICE = 0, VMM_LOCATION_HOST_NUMA = 1 } vmm_location;
 
-/* The options table (see vmm::options in arena.hpp for what each one costs). 0 = default. */
+/* The options of include/vmmalloc/options.def (README.md, "Options") that C can set, and the
+ * backend's. 0 = default, except release_threshold (taken as is): start from vmm_policy_init(). */
 typedef struct vmm_policy {
   vmm_backend_kind backend;
   int device;

@@ -104,3 +104,11 @@ class allocator {
 };
 
 }  // namespace vmm
+
+struct vmm_allocator;  // the C API's handle (vmmalloc.h)
+
+namespace vmm {
+// The C++ allocator behind a live C API handle (not NULL): C code creates it, C++ code may use
+// all of it (opts(), access(), export_ipc ...). Owned by the handle: vmm_destroy ends it.
+allocator& from_c(vmm_allocator* a) noexcept;
+}  // namespace vmm

@@ -4,12 +4,15 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "vmmalloc/vmmalloc.hpp"
 
 struct vmm_allocator {
   vmm::allocator a;
 };
+
+vmm::allocator& vmm::from_c(vmm_allocator* a) noexcept { return a->a; }
 
 namespace {
 thread_local vmm_status tl_status = VMM_SUCCESS;
@@ -36,6 +39,70 @@ int as_int(const E& e) {
   std::memcpy(&v, &e, sizeof v);
   return v;
 }
+
+// ---- vmm_policy <-> vmm::options, by options.def's kind ----------------------------------------
+// from_c_<kind>: nullptr, or what is wrong with the C value. A kind without one (peers) cannot be
+// in_c: the row's expansion below does not compile.
+
+// The C enums mirror the C++ ones value for value, so a range check and a cast convert them.
+static_assert(VMM_LOCATION_DEVICE == int(vmm::location_kind::device) &&
+              VMM_LOCATION_HOST_NUMA == int(vmm::location_kind::host_numa));
+static_assert(VMM_COMPRESSION_OFF == int(vmm::compression_mode::off) &&
+              VMM_COMPRESSION_PREFER == int(vmm::compression_mode::prefer) &&
+              VMM_COMPRESSION_REQUIRE == int(vmm::compression_mode::require));
+static_assert(VMM_IPC_NONE == int(vmm::ipc_kind::none) && VMM_IPC_POSIX_FD == int(vmm::ipc_kind::posix_fd) &&
+              VMM_IPC_FABRIC == int(vmm::ipc_kind::fabric));
+template <class C, class E>
+const char* from_c_enum(const C& c, E& out) {
+  const int v = as_int(c);
+  if (v < 0 || static_cast<std::size_t>(v) >= vmm::enum_names(E{}).size()) return "is not one of its enumerators";
+  out = static_cast<E>(v);
+  return nullptr;
+}
+template <class C, class E>
+const char* from_c_location(const C& c, E& out) { return from_c_enum(c, out); }
+template <class C, class E>
+const char* from_c_compression(const C& c, E& out) { return from_c_enum(c, out); }
+template <class C, class E>
+const char* from_c_ipc(const C& c, E& out) { return from_c_enum(c, out); }
+
+template <class C, class T>
+const char* from_c_value(const C& c, T& out) {
+  out = c;
+  return nullptr;
+}
+template <class C, class T>
+const char* from_c_int(const C& c, T& out) { return from_c_value(c, out); }
+template <class C, class T>
+const char* from_c_size(const C& c, T& out) { return from_c_value(c, out); }
+template <class C, class T>
+const char* from_c_size_or_max(const C& c, T& out) { return from_c_value(c, out); }
+template <class C, class T>
+const char* from_c_bool(const C& c, T& out) { return from_c_value(c != 0, out); }
+template <class C, class T>
+const char* from_c_pow2(const C& c, T& out) {
+  if (c == 0 || (c & (c - 1))) return "is not a power of two";
+  return from_c_value(c, out);
+}
+const char* from_c_path(const char* c, std::string& out) {
+  out = c ? c : "";
+  return nullptr;
+}
+
+// in_c 1: 0 (NULL) means the default, so only other values are read.
+template <class C>
+bool is_zero(const C& c) {
+  if constexpr (std::is_enum_v<C>) return as_int(c) == 0;
+  else return c == C{};
+}
+
+// vmm_policy_init's value for an in_c 2 field: the C++ default.
+template <class C, class T>
+void init_c(C& c, const T& v) { c = static_cast<C>(v); }
+
+vmm_status bad_field(const char* field, const char* what) {
+  return set(VMM_ERROR_INVALID_VALUE, std::string("vmm_create: policy.") + field + " " + what);
+}
 }  // namespace
 
 extern "C" {
@@ -43,31 +110,37 @@ extern "C" {
 void vmm_policy_init(vmm_policy* p) {
   if (!p) return;
   *p = vmm_policy{};
-  p->release_threshold = SIZE_MAX;
+  const vmm::options d;
+#define VMM_C_INIT_0(name)
+#define VMM_C_INIT_1(name)
+#define VMM_C_INIT_2(name) init_c(p->name, d.name);
+#define VMM_OPTION(kind, type, name, def, env, in_c, doc) VMM_C_INIT_##in_c(name)
+#include "vmmalloc/options.def"
+#undef VMM_OPTION
+#undef VMM_C_INIT_0
+#undef VMM_C_INIT_1
+#undef VMM_C_INIT_2
 }
 
 vmm_status vmm_create(const vmm_policy* p, vmm_allocator** out) {
   if (!p || !out) return invalid("vmm_create: policy and out must not be NULL");
   *out = nullptr;
   vmm::options o;
-  o.device = p->device;
-  const int location = as_int(p->location), compression = as_int(p->compression), ipc = as_int(p->ipc),
-            backend = as_int(p->backend);
-  if (location < 0 || location > 1 || compression < 0 || compression > 2 || ipc < 0 || ipc > 2)
-    return invalid("vmm_create: bad enum value in policy");
-  o.location = location == VMM_LOCATION_HOST_NUMA ? vmm::location_kind::host_numa : vmm::location_kind::device;
-  o.compression = static_cast<vmm::compression_mode>(compression);
-  o.ipc = static_cast<vmm::ipc_kind>(ipc);
-  o.reservation_size = p->reservation_size;
-  if (p->memory_limit) o.memory_limit = p->memory_limit;
-  o.release_threshold = p->release_threshold;
-  o.min_chunk = p->min_chunk;
-  if (p->max_growth) o.max_growth = p->max_growth;
-  if (p->trace_path) o.trace_path = p->trace_path;
-  if (p->alignment) {
-    if (p->alignment & (p->alignment - 1)) return invalid("vmm_create: alignment is not a power of two");
-    o.alignment = p->alignment;
+  // Every row with in_c != 0 (options.def), converted by its kind.
+#define VMM_C_READ_0(kind, name)
+#define VMM_C_READ_1(kind, name) \
+  if (!is_zero(p->name)) {         \
+    VMM_C_READ_2(kind, name)       \
   }
+#define VMM_C_READ_2(kind, name) \
+  if (const char* bad = from_c_##kind(p->name, o.name)) return bad_field(#name, bad);
+#define VMM_OPTION(kind, type, name, def, env, in_c, doc) VMM_C_READ_##in_c(kind, name)
+#include "vmmalloc/options.def"
+#undef VMM_OPTION
+#undef VMM_C_READ_0
+#undef VMM_C_READ_1
+#undef VMM_C_READ_2
+  const int backend = as_int(p->backend);
   try {
     if (backend == VMM_BACKEND_HOST) {
       vmm::host_backend_options h;

@@ -14,13 +14,10 @@
 #include <array>
 #include <atomic>
 #include <cctype>
-#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <exception>
-#include <limits>
 #include <mutex>
 #include <new>
 #include <string>
@@ -79,130 +76,75 @@ std::string lower(std::string s) {
   return s;
 }
 
-// "512M", "8GiB", "1t", "4096", "64 KB": binary multiples. allow_max: "max" / "inf" = SIZE_MAX.
-std::size_t parse_size(const char* name, const char* text, bool allow_max) {
-  std::string t = lower(text);
-  t.erase(0, t.find_first_not_of(" \t"));
-  t.erase(t.find_last_not_of(" \t") + 1);
-  if (allow_max && (t == "max" || t == "inf" || t == "none"))
-    return std::numeric_limits<std::size_t>::max();
-  auto bad = [&](const char* why) {
-    return env_error(std::string(name) + "='" + text + "': " + why +
-                     " (expected bytes with an optional K/M/G/T suffix, e.g. 512M" +
-                     (allow_max ? ", or max)" : ")"));
-  };
-  if (t.empty() || !std::isdigit(static_cast<unsigned char>(t[0]))) throw bad("not a size");
-  errno = 0;
-  char* end = nullptr;
-  unsigned long long v = std::strtoull(t.c_str(), &end, 10);
-  if (errno == ERANGE) throw bad("too large");
-  std::string suf(end);
-  suf.erase(0, suf.find_first_not_of(" \t"));
-  unsigned shift = 0;
-  if (suf.empty() || suf == "b") shift = 0;
-  else if (suf == "k" || suf == "kb" || suf == "kib") shift = 10;
-  else if (suf == "m" || suf == "mb" || suf == "mib") shift = 20;
-  else if (suf == "g" || suf == "gb" || suf == "gib") shift = 30;
-  else if (suf == "t" || suf == "tb" || suf == "tib") shift = 40;
-  else throw bad("unknown suffix");
-  if (shift && v > (std::numeric_limits<std::size_t>::max() >> shift)) throw bad("too large");
-  return static_cast<std::size_t>(v) << shift;
-}
-
 const char* env(const char* name) {
   const char* v = std::getenv(name);
   return v && *v ? v : nullptr;
 }
 
-bool parse_bool(const char* name, const char* text) {
-  std::string t = lower(text);
-  if (t == "1" || t == "true" || t == "on" || t == "yes") return true;
-  if (t == "0" || t == "false" || t == "off" || t == "no") return false;
-  throw env_error(std::string(name) + "='" + text + "': expected 0 or 1");
-}
-
-// VMMALLOC_PEERS: nullopt-like flag `automatic` or an explicit list.
+// The peers row's variable (VMMALLOC_PEERS): "auto" or an explicit list.
 struct peer_spec {
   bool automatic = true;
-  std::vector<int> list;
+  std::vector<vmm::access_desc> list;
+  std::string var;  // the variable, for messages
 };
 
-peer_spec parse_peers(const char* text) {
+// "auto", else the list as vmm::set_option reads it ("none", "1,3"), of real device ordinals.
+peer_spec parse_peers(const vmm::option_info& row, const char* text) {
   peer_spec p;
-  std::string t = lower(text);
-  if (t == "auto") return p;
+  p.var = row.env;
+  if (lower(text) == "auto") return p;
   p.automatic = false;
-  if (t == "none" || t == "") return p;
-  std::size_t i = 0;
-  while (i <= t.size()) {
-    std::size_t j = t.find(',', i);
-    if (j == std::string::npos) j = t.size();
-    std::string item = t.substr(i, j - i);
-    char* end = nullptr;
-    errno = 0;
-    long d = item.empty() ? -1 : std::strtol(item.c_str(), &end, 10);
-    if (item.empty() || *end || errno || d < 0 || d >= kMaxDevices)
-      throw env_error(std::string("VMMALLOC_PEERS='") + text +
-                      "': expected auto, none, or a comma list of device ordinals");
-    p.list.push_back(static_cast<int>(d));
-    i = j + 1;
-  }
+  vmm::options scratch;
+  bool ok = vmm::set_option(scratch, row, text).ok();
+  for (const vmm::access_desc& d : scratch.peers) ok = ok && d.device >= 0 && d.device < kMaxDevices;
+  if (!ok)
+    throw env_error(p.var + "='" + text + "': expected auto, none, or a comma list of device ordinals");
+  p.list = std::move(scratch.peers);
   return p;
 }
 
-// The options of one device's allocator, from the environment. Throws env_error.
-vmm::options options_from_env(int device) {
+// The options of one device's allocator from the environment: every row of the options table
+// (options.def, README.md) with a variable that is set and not empty, parsed by vmm::set_option
+// with messages naming the variable. Two kinds mean more here:
+//   peers  "auto" (the default) = every device that can access the owner, resolved in create()
+//   path   one file per device: "%d" is replaced by the device ordinal; without it device 0 uses
+//          the path itself and device d "<path>.<d>", so two devices never share a file (the trace:
+//          allocators live until exit, so buffered events are written by vmm_torch_flush_trace()
+//          and by an atexit handler; frees after that, during the last teardown, are not recorded)
+// Throws env_error.
+vmm::options options_from_env(int device, peer_spec& peers) {
   vmm::options o;
   o.device = device;
-  if (const char* v = env("VMMALLOC_RESERVATION")) o.reservation_size = parse_size("VMMALLOC_RESERVATION", v, false);
-  if (const char* v = env("VMMALLOC_RELEASE_THRESHOLD"))
-    o.release_threshold = parse_size("VMMALLOC_RELEASE_THRESHOLD", v, true);
-  if (const char* v = env("VMMALLOC_MEMORY_LIMIT")) o.memory_limit = parse_size("VMMALLOC_MEMORY_LIMIT", v, true);
-  if (const char* v = env("VMMALLOC_MAX_GROWTH")) o.max_growth = parse_size("VMMALLOC_MAX_GROWTH", v, false);
-  if (const char* v = env("VMMALLOC_MIN_CHUNK")) o.min_chunk = parse_size("VMMALLOC_MIN_CHUNK", v, false);
-  if (const char* v = env("VMMALLOC_THREAD_CACHE")) o.thread_cache = parse_bool("VMMALLOC_THREAD_CACHE", v);
-
-  // ---- VMMALLOC_TRACE: trace recording (options.trace_path) ----------------------------------
-  // One file per device: "%d" in the path is replaced by the device ordinal; without it device 0
-  // writes the path itself and device d writes "<path>.<d>", so two devices never share a file.
-  // Allocators live until exit, so buffered events are written by vmm_torch_flush_trace() and by an
-  // atexit handler (frees after that, during the last teardown, are not recorded).
-  if (const char* v = env("VMMALLOC_TRACE")) {
-    std::string path = v;
-    if (auto at = path.find("%d"); at != std::string::npos)
-      path.replace(at, 2, std::to_string(device));
-    else if (device != 0)
-      path += "." + std::to_string(device);
-    o.trace_path = path;
+  for (const vmm::option_info& row : vmm::option_table()) {
+    const char* v = row.env.empty() ? nullptr : env(std::string(row.env).c_str());
+    if (!v) continue;
+    std::string text = v, why;
+    if (row.kind == vmm::option_kind::peers) {
+      peers = parse_peers(row, v);
+      continue;
+    }
+    if (row.kind == vmm::option_kind::path) {
+      if (auto at = text.find("%d"); at != std::string::npos)
+        text.replace(at, 2, std::to_string(device));
+      else if (device != 0)
+        text += "." + std::to_string(device);
+    }
+    if (!vmm::set_option(o, row, text, &why, row.env).ok()) throw env_error(why);
   }
-  // ---- end VMMALLOC_TRACE ----------------------------------------------------------------------
   return o;
 }
 
+// vmm_torch_config's line: the backend, what the arena chose, then every option in effect.
 std::string describe(const vmm::allocator& a, const char* backend) {
-  const vmm::options& o = a.opts();
-  auto sz = [](std::size_t n) {
-    return n == std::numeric_limits<std::size_t>::max() ? std::string("max") : std::to_string(n);
-  };
-  std::string s = "device=" + std::to_string(o.device) + " backend=" + backend +
-                  " granularity=" + std::to_string(a.granularity()) +
-                  " reservation=" + std::to_string(a.stats().reserved) +
-                  " release_threshold=" + sz(o.release_threshold) +
-                  " memory_limit=" + sz(o.memory_limit) + " max_growth=" + sz(o.max_growth) +
-                  " min_chunk=" + sz(o.min_chunk) + " thread_cache=" + (o.thread_cache ? "1" : "0") +
-                  (o.trace_path.empty() ? "" : " trace=" + o.trace_path) +
-                  " peers=[";
-  for (std::size_t i = 0; i < o.peers.size(); ++i)
-    s += (i ? "," : "") + std::to_string(o.peers[i].device);
-  return s + "]";
+  return std::string("backend=") + backend + " granularity=" + std::to_string(a.granularity()) +
+         " reservation=" + std::to_string(a.stats().reserved) + " " + vmm::describe(a.opts());
 }
 
 // Creates device d's allocator (caller holds create_mu). Throws vmm::error / env_error.
 void create(int d) {
   device_slot& s = slots[d];
-  vmm::options o = options_from_env(d);
   peer_spec ps;
-  if (const char* v = env("VMMALLOC_PEERS")) ps = parse_peers(v);
+  vmm::options o = options_from_env(d, ps);
   std::string be = lower(env("VMMALLOC_TORCH_BACKEND") ? env("VMMALLOC_TORCH_BACKEND") : "cuda");
 
   std::unique_ptr<vmm::backend_iface> b;
@@ -225,20 +167,18 @@ void create(int d) {
   // Peers: PyTorch's pluggable allocator never calls cuMemSetAccess, so a tensor of device d read
   // by device p (a peer copy, NCCL's P2P) needs p granted here, on every mapping. Cost: one
   // access descriptor more per set_access call, and the granularity is the largest among them.
-  std::vector<int> want;
   if (ps.automatic) {
     for (int p = 0; p < count && p < kMaxDevices; ++p)
-      if (p != d && b->can_access_peer(p, d)) want.push_back(p);
+      if (p != d && b->can_access_peer(p, d)) o.peers.push_back({p, vmm::access_mode::read_write});
   } else {
-    for (int p : ps.list) {
-      if (p == d) continue;
-      if (p >= count || !b->can_access_peer(p, d))
-        throw env_error("VMMALLOC_PEERS: device " + std::to_string(p) + " cannot access device " +
+    for (const vmm::access_desc& p : ps.list) {
+      if (p.device == d) continue;
+      if (p.device >= count || !b->can_access_peer(p.device, d))
+        throw env_error(ps.var + ": device " + std::to_string(p.device) + " cannot access device " +
                         std::to_string(d));
-      want.push_back(p);
+      o.peers.push_back(p);
     }
   }
-  for (int p : want) o.peers.push_back({p, vmm::access_mode::read_write});
 
   // Throws vmm::error when the arena cannot open; owned here until published, never freed after.
   auto a = std::make_unique<vmm::allocator>(std::move(b), o);
@@ -247,7 +187,7 @@ void create(int d) {
     static std::once_flag registered;
     std::call_once(registered, [] { std::atexit([] { vmm_torch_flush_trace(); }); });
   }
-  s.peers = want.size();
+  s.peers = o.peers.size();
   s.config = std::move(config);
   s.a = a.release();
   s.ready.store(s.a, std::memory_order_release);

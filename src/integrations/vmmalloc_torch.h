@@ -8,22 +8,18 @@
  * Python: tools/python/vmmalloc_torch.py (enable(), stats(), trim(), reset_peaks(), check()),
  *         tools/python/vmmalloc_cupy.py (enable()).
  *
- * Environment, read when a device's allocator is created (first allocation on that device).
- * Sizes take a binary suffix: 512M, 8G, 1T, 64KiB; a bad value makes creation fail with a message
- * naming the variable (the allocation then fails; nothing is guessed):
- *   VMMALLOC_RESERVATION        virtual range reserved per device (default 2 x device memory)
- *   VMMALLOC_RELEASE_THRESHOLD  free bytes kept mapped before chunks are released ("max" = keep
- *                               all, the default)
- *   VMMALLOC_MEMORY_LIMIT       cap on physical bytes per device (default: none)
- *   VMMALLOC_MAX_GROWTH         geometric growth stops doubling here (default 8M)
- *   VMMALLOC_MIN_CHUNK          smallest growth step (default: the granularity, 2 MiB)
- *   VMMALLOC_THREAD_CACHE       0 or 1 (default 1): per-thread caches of small blocks
+ * Environment, read when a device's allocator is created (first allocation on that device): every
+ * option with a variable in README.md's options table (VMMALLOC_MEMORY_LIMIT=8G, ...; the table is
+ * generated from include/vmmalloc/options.def), values as vmm::set_option reads them: sizes take a
+ * binary suffix (512M, 8G, 1T, 64KiB) or "max" where the table allows it, booleans 0/1. A bad value
+ * makes creation fail with a message naming the variable (the allocation then fails; nothing is
+ * guessed). Two mean more here:
  *   VMMALLOC_PEERS              "auto" (default: every device that can access the owner),
  *                               "none", or a comma list of device ordinals ("1,3")
- *   VMMALLOC_TRACE              record every allocation and free (vmm-replay's trace format) to
- *                               this path; "%d" is replaced by the device ordinal, else devices
- *                               other than 0 append ".<device>". Written at exit and by
+ *   VMMALLOC_TRACE              one file per device: "%d" is replaced by the device ordinal, else
+ *                               devices other than 0 append ".<device>". Written at exit and by
  *                               vmm_torch_flush_trace()
+ * and one is not an option:
  *   VMMALLOC_TORCH_BACKEND      "cuda" (default) or "host": vmmalloc's host backend (host memory,
  *                               GPU rules, 8 simulated devices), for tests without a GPU
  */

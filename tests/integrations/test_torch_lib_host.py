@@ -13,9 +13,9 @@ import sys
 import tempfile
 
 os.environ["VMMALLOC_TORCH_BACKEND"] = "host"  # read when each device's allocator is created
-for k in ("VMMALLOC_RESERVATION", "VMMALLOC_RELEASE_THRESHOLD", "VMMALLOC_MEMORY_LIMIT",
-          "VMMALLOC_PEERS", "VMMALLOC_TRACE", "VMMALLOC_MAX_GROWTH", "VMMALLOC_MIN_CHUNK"):
-    os.environ.pop(k, None)
+_KEEP = ("VMMALLOC_TORCH_LIB", "VMMALLOC_TORCH_BACKEND")
+for k in [k for k in os.environ if k.startswith("VMMALLOC_") and k not in _KEEP]:
+    os.environ.pop(k)  # every option's variable (README.md's options table)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
 import vmmalloc_torch as vt  # noqa: E402
@@ -83,7 +83,7 @@ os.environ["VMMALLOC_MEMORY_LIMIT"] = "8M"
 os.environ["VMMALLOC_RELEASE_THRESHOLD"] = "max"
 expect(lib.vmm_torch_init(1) == 0, "device 1 created with an 8 MiB limit")
 del os.environ["VMMALLOC_MEMORY_LIMIT"], os.environ["VMMALLOC_RELEASE_THRESHOLD"]
-expect("memory_limit=8388608" in vt.config(1) and "release_threshold=max" in vt.config(1), vt.config(1))
+expect("memory_limit=8M" in vt.config(1) and "release_threshold=max" in vt.config(1), vt.config(1))
 expect(lib.vmm_torch_try_malloc(32 * MiB, 1, None) is None, "32 MiB past the 8 MiB limit -> NULL")
 err = vt.last_error()
 expect("cannot allocate 32.00 MiB on device 1" in err, "the reason: " + err)

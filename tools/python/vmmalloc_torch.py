@@ -8,9 +8,9 @@
 
 The library is libvmmalloc_torch.so (src/integrations/, target vmmalloc_torch). enable() finds it
 through, in order: its argument, $VMMALLOC_TORCH_LIB, this module's folder, the repository's build
-folders (build*/src/integrations/). Options come from the environment (VMMALLOC_RESERVATION,
-VMMALLOC_RELEASE_THRESHOLD, VMMALLOC_MEMORY_LIMIT, VMMALLOC_PEERS, VMMALLOC_TRACE, ...: see
-src/integrations/vmmalloc_torch.h), read when a device's allocator is created.
+folders (build*/src/integrations/). Options come from the environment variables of README.md's
+options table (VMMALLOC_MEMORY_LIMIT=8G, ...; see also src/integrations/vmmalloc_torch.h), read
+when a device's allocator is created.
 
 Only enable() needs torch; stats(), trim(), reset_peaks(), check() and the loader work without it
 (vmmalloc_cupy uses them). An allocation that fails raises RuntimeError in PyTorch (its pluggable

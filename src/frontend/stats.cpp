@@ -1,0 +1,100 @@
+// The allocator's diagnostics: stats() merges the heap's, the arena's and the thread caches'
+// counters; class_stats() and check() walk the metadata.
+#include "frontend/allocator_impl.hpp"
+
+namespace vmm {
+
+allocator_stats allocator::stats() const {
+  std::lock_guard r(cache_registry_mutex());
+  std::lock_guard g(p_->mu);
+  heap_stats h = p_->hp->stats();
+  arena_stats a = p_->ar->stats();
+  // Slots in thread caches are allocated as far as the heap knows; the user sees them as free.
+  std::uint64_t req = p_->retired_req, cached_b = 0, cached_n = 0, fa = p_->retired_allocs,
+                ff = p_->retired_frees, rf = p_->retired_refilled, fl = p_->retired_flushed;
+  for (auto& c : p_->caches) {
+    req += c->req_delta.get();
+    cached_b += c->cached_bytes.get();
+    cached_n += c->cached_count.get();
+    fa += c->fast_allocs.get();
+    ff += c->fast_frees.get();
+    rf += c->refilled.get();
+    fl += c->flushed.get();
+  }
+  allocator_stats s;
+  // While other threads run, their caches' counters are read at slightly different moments: a
+  // block allocated through one cache and freed through another can make the sum dip below zero
+  // for an instant. Clamp to what is possible (0 <= requested <= allocated).
+  std::uint64_t total = h.requested + req;
+  s.requested = static_cast<std::int64_t>(total) < 0 ? 0 : total;
+  s.allocated = h.allocated - cached_b;
+  s.live = h.live - cached_n;
+  s.requested = std::min<std::size_t>(s.requested, s.allocated);
+  s.allocs = h.allocs - rf + fa;
+  s.frees = h.frees - fl + ff;
+  // Peaks are exact without thread caches; with them they are sampled at refills and flushes.
+  s.peak_allocated = std::max(h.peak_allocated, s.allocated);
+  s.peak_requested = std::min(std::max(h.peak_requested, s.requested), s.peak_allocated);
+  s.mapped = a.mapped;
+  s.physical = a.physical;
+  s.reserved = a.reserved;
+  s.peak_mapped = a.peak_mapped;
+  s.peak_physical = a.peak_physical;
+  s.chunks = a.chunks;
+  s.idle = a.idle;
+  s.free_chunk_bytes = a.free_chunk_bytes;
+  s.slab_bytes = h.slab_bytes;
+  s.deferred = h.deferred;
+  s.grows = h.grows;
+  s.chunk_releases = h.chunk_releases;
+  s.trims = h.trims;
+  s.stitched = a.stitched;
+  s.compression_fallbacks = a.compression_fallbacks;
+  s.ipc_fallbacks = a.ipc_fallbacks;
+  s.compressed = a.compressed;
+  s.access_changes = a.access_changes;
+  s.exported = p_->exported;
+  s.exported_released = h.exported_released;
+  if (p_->trace) {
+    std::lock_guard t(p_->trace->mu);
+    s.traced_events = p_->trace->events;
+  }
+  s.fragmentation = s.mapped ? 1.0 - static_cast<double>(s.requested) / static_cast<double>(s.mapped) : 0.0;
+  s.calls = a.calls;
+  return s;
+}
+
+
+std::vector<class_occupancy> allocator::class_stats() const {
+  std::lock_guard g(p_->mu);
+  return p_->hp->occupancy();
+}
+
+
+std::string allocator::check() const {
+  // Structure, slab states, allocated/live bytes and chunk accounting are all changed under mu
+  // only, so they are checked exactly even while other threads run. Other threads' caches are
+  // theirs (bins are never read across threads); the bytes *requested* through them change
+  // without the lock, so that one sum is checked only when no other thread holds a cache.
+  std::lock_guard r(cache_registry_mutex());
+  std::lock_guard g(p_->mu);
+  std::uint64_t req = p_->retired_req;
+  bool others = false;
+  for (auto& c : p_->caches) {
+    req += c->req_delta.get();
+    if (is_own_thread_cache(p_->id, c.get())) {
+      std::uint64_t n = 0;
+      for (auto& b : c->bins) {
+        for (std::uint32_t k = 0; k < b.n; ++k)
+          if (b.e[k].r.state->load(std::memory_order_relaxed) != 2) return "a thread-cached slot is not in state 2";
+        n += b.n;
+      }
+      if (n != c->cached_count.get()) return "thread cache count is off";
+    } else {
+      others = true;
+    }
+  }
+  return p_->hp->check(req, !others);
+}
+
+}  // namespace vmm

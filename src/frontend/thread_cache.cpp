@@ -1,0 +1,90 @@
+// Thread caches: registration, thread exit, flushing. See thread_cache.hpp.
+#include "frontend/thread_cache.hpp"
+
+#include "frontend/allocator_impl.hpp"
+
+namespace vmm {
+
+std::mutex& cache_registry_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+namespace {
+// Thread exit: give each cache's slots back to its allocator, if that allocator still exists.
+struct tl_caches {
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<tcache>>> all;
+  ~tl_caches() {
+    std::lock_guard g(cache_registry_mutex());
+    for (auto& [id, c] : all) {
+      allocator_impl* o = c->owner;
+      if (!o) continue;
+      {
+        std::lock_guard h(o->mu);
+        o->flush_cache(*c, true);
+        o->hp->set_cache_tag(c->tag, false);  // its slabs are free for others to take
+      }
+      o->retired_req += c->req_delta.get();
+      o->retired_allocs += c->fast_allocs.get();
+      o->retired_frees += c->fast_frees.get();
+      o->retired_refilled += c->refilled.get();
+      o->retired_flushed += c->flushed.get();
+      std::erase(o->caches, c);
+    }
+  }
+};
+thread_local tl_caches tl;
+}  // namespace
+
+void forget_thread_cache(std::uint64_t id) {
+  if (tl_cache_owner == id) tl_cache_owner = 0, tl_cache = nullptr;
+  std::erase_if(tl.all, [&](auto& e) { return e.first == id; });
+}
+
+bool is_own_thread_cache(std::uint64_t id, const tcache* c) { return tl_cache_owner == id && c == tl_cache; }
+
+tcache& allocator::impl::my_cache_slow() {
+  for (auto& [cid, c] : tl.all)
+    if (cid == id) {
+      tl_cache_owner = id;
+      tl_cache = c.get();
+      return *c;
+    }
+  static std::atomic<std::uint64_t> next_tag{1};
+  auto c = std::make_shared<tcache>();
+  c->owner = this;
+  c->tag = next_tag.fetch_add(1);
+  {
+    std::lock_guard g(mu);
+    hp->set_cache_tag(c->tag, true);
+  }
+  c->bins.resize(classes);
+  for (auto& b : c->bins) b.e.resize(tc_cap);
+  {
+    std::lock_guard g(cache_registry_mutex());
+    caches.push_back(c);
+  }
+  tl.all.emplace_back(id, c);
+  tl_cache_owner = id;
+  tl_cache = c.get();
+  return *c;
+}
+
+void allocator::impl::flush_cache(tcache& c, bool all) {
+  std::vector<std::uintptr_t> ps;
+  for (auto& b : c.bins) {
+    std::uint32_t keep = all ? 0 : b.n / 2;
+    std::uint64_t bytes = 0;
+    for (std::uint32_t k = keep; k < b.n; ++k) {
+      ps.push_back(b.e[k].p);
+      bytes += b.e[k].r.size;
+    }
+    c.cached_bytes.add(-bytes);
+    c.cached_count.add(-std::uint64_t(b.n - keep));
+    c.flushed.add(b.n - keep);
+    b.n = keep;
+  }
+  hp->flush(ps.data(), ps.size());
+}
+
+}  // namespace vmm

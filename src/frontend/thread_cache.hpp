@@ -1,0 +1,55 @@
+// Thread caches: per (thread, allocator) stacks of small slots, so the hot path takes no lock.
+// The protocol with the heap (slot states, refill, flush) is in heap/slabs.cpp; the fast paths
+// that pop and push are allocator::try_allocate / try_deallocate.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "frontend/allocator_access.hpp"
+#include "heap/heap.hpp"
+
+namespace vmm {
+
+// Counters written only by the owning thread, read by stats() from any thread: relaxed
+// load + store, no locked instruction on the hot path.
+struct owner_counter {
+  std::atomic<std::uint64_t> v{0};
+  void add(std::uint64_t d) { v.store(v.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
+  std::uint64_t get() const { return v.load(std::memory_order_relaxed); }
+};
+
+// One per (thread, allocator). Bins hold slot addresses of one stream each.
+struct tcache {
+  struct entry {
+    std::uintptr_t p;
+    heap::slot_ref r;
+  };
+  struct bin {
+    stream_t stream = nullptr;
+    std::uint32_t n = 0;
+    std::vector<entry> e;
+  };
+  allocator_impl* owner;  // null once the allocator is gone (under registry_mu)
+  std::uint64_t tag = 0;   // unique per cache: the heap gives each cache its own slabs
+  std::vector<bin> bins;
+  owner_counter req_delta, cached_bytes, cached_count, fast_allocs, fast_frees, refilled, flushed;
+};
+
+// The calling thread's most recently used cache and its allocator's id: plain thread_locals
+// (no TLS wrapper call), so finding the cache on the hot path is one compare.
+inline thread_local std::uint64_t tl_cache_owner = 0;
+inline thread_local tcache* tl_cache = nullptr;
+
+// Lock 1 of the front end's order (see allocator.cpp): thread-cache registration, thread exit,
+// allocator destruction.
+std::mutex& cache_registry_mutex();
+// This thread forgets its cache of allocator `id` (the allocator is being destroyed).
+void forget_thread_cache(std::uint64_t id);
+// Whether c is the calling thread's cache of allocator `id`.
+bool is_own_thread_cache(std::uint64_t id, const tcache* c);
+
+}  // namespace vmm

@@ -1,4 +1,4 @@
-// bench_kvcache: the decode workload of a serving engine, on four KV-cache schemes (issue 7).
+// bench_kvcache: the decode workload of a serving engine, on four KV-cache schemes.
 //
 // Workload: 64 sequence slots, always full. Each sequence has a random prompt (32-2048 tokens,
 // prefilled at once when it opens) and a random output length (32-1024 tokens). One step appends

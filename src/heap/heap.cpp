@@ -142,7 +142,7 @@ std::size_t heap::requested_size(std::uintptr_t p) const {
 status heap::trim(std::size_t keep) {
   auto& m = *p_;
   ++m.st.trims;
-  m.poll_deferred(false);
+  m.poll_deferred();
   (void)m.a.retry_strays();  // a refusal stays parked and is reported through take_parked_error
   // Empty slabs first: they pin chunks that are otherwise free.
   std::vector<impl::slab*> empty;

@@ -239,7 +239,7 @@ struct heap::impl {
   status record_fences(const std::vector<stream_t>& on, std::vector<fence_t>& out);
   void drop_fences(std::vector<fence_t>& fs);
 
-  void poll_deferred(bool wait);
+  void poll_deferred();  // completes deferred frees whose fences are done
 
   void complete_free(std::uintptr_t p, stream_t s);
 

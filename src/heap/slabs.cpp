@@ -58,7 +58,7 @@ result<std::uintptr_t> heap::impl::allocate_class(std::uint32_t cls, std::size_t
   auto& heads = heads_for(x);
   slab* s = pick_slab(heads[cls], tag);
   if (!s) {
-    if (!deferred_frees.empty()) poll_deferred(false);
+    if (!deferred_frees.empty()) poll_deferred();
     s = pick_slab(heads[cls], tag);
     if (!s) {
       auto r = new_slab(cls, x);

@@ -59,14 +59,11 @@ void heap::impl::drop_fences(std::vector<fence_t>& fs) {
   fs.clear();
 }
 
-void heap::impl::poll_deferred(bool wait) {
+void heap::impl::poll_deferred() {
   for (std::size_t i = 0; i < deferred_frees.size();) {
     auto& d = deferred_frees[i];
     bool done = true;
-    for (auto f : d.fences) {
-      if (wait) a.drv().wait_fence(f);
-      done = done && a.drv().fence_done(f);
-    }
+    for (auto f : d.fences) done = done && a.drv().fence_done(f);  // queries only, never waits
     if (!done) {
       ++i;
       continue;

@@ -1,4 +1,4 @@
-// Bad input (issue 3): each misuse gives a clear error (or the documented no-op), the allocator's
+// Bad input: each misuse gives a clear error (or the documented no-op), the allocator's
 // state is untouched (stats() equal before and after the bad call, check() == ""), and a normal
 // allocate/deallocate still works afterwards.
 //

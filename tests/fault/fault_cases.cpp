@@ -31,12 +31,10 @@ options small_opts() {
 stream_t S(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
 }  // namespace
 
-// Regression (found by the sweep, arena::unmap_chunk): when a chunk's handle was to be released
-// (keep_handle == false: trim, release threshold) and release() failed, the result was ignored and
-// the handle dropped from every table: never retried, trim() reported success, and the handle
-// outlived the allocator. Now the handle is parked as idle (retried by trim / ~arena) and trim()
-// reports the refusal.
-TEST_CASE("fault: a refused release() during trim is not lost [regression: arena::unmap_chunk]") {
+// A chunk whose handle is to be released (trim, release threshold) and whose release() is refused
+// keeps its handle parked: trim() reports the refusal, a later trim or the destructor releases it,
+// and nothing outlives the allocator.
+TEST_CASE("fault: a refused release() during trim is parked, reported and released later") {
   auto st = std::make_shared<fault_state>();
   {
     allocator a(make_fault_host(st), small_opts());
@@ -51,24 +49,18 @@ TEST_CASE("fault: a refused release() during trim is not lost [regression: arena
     }
     CHECK(st->injected() == 1);
     CHECK(a.check() == "");
-    CHECK(reported);               // was: trim() said nothing
+    CHECK(reported);
     a.trim(0);                     // a retry with the fault spent
     CHECK(a.stats().physical == 0);
   }
-  CHECK(st->live_handles() == 0);  // was: 1 handle leaked
+  CHECK(st->live_handles() == 0);
   CHECK(st->live_mappings() == 0);
   CHECK(st->live_reservations() == 0);
 }
 
-// Known bug (arena::take_parked_error, heap::trim): a refused release() inside trim() is parked
-// and remembered in parked_error_, which trim() hands back only on its last line. When the same
-// trim() fails earlier (here release_idle() is refused too and returns at once), the remembered
-// error stays behind, and the NEXT trim(), which releases everything, reports it again: one refusal
-// is reported twice, the second time by a call that fully succeeded (physical is 0 after it).
-// Expected: an error a call has already reported is not reported again (e.g. trim() clears
-// parked_error_ whenever it returns an error, or reports a parked error only while a refused
-// handle is still parked).
-TEST_CASE("fault: a refused release is reported once, not again by a later trim that succeeds [regression: parked error]") {
+// A refusal is reported by the call that met it, once: a later trim() that releases everything
+// reports success.
+TEST_CASE("fault: a refused release is reported once, not again by a later trim that succeeds") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), small_opts());
   void* p = a.allocate(3 * MiB);
@@ -79,18 +71,16 @@ TEST_CASE("fault: a refused release is reported once, not again by a later trim 
   CHECK_THROWS_AS(a.trim(0), vmm::out_of_memory);  // the refusal, reported
   st->disarm();
   CHECK(a.check() == "");
-  CHECK_NOTHROW(a.trim(0));  // fails today: the same refusal is thrown again
+  CHECK_NOTHROW(a.trim(0));
   CHECK(a.stats().physical == 0);
   CHECK_NOTHROW(a.trim(0));
 }
 
-// Regression (heap::deallocate, small path and record_stream path): a cross-stream free records a
-// fence on the freeing stream so the slab's stream does not reuse the slot before the freeing
-// stream is done. When record_fence() failed the error was dropped
-// (`if (auto f = record_fence(s); f.ok() && f.value)`) and the slot released at once: the slab's
-// stream got memory the other stream may still be writing. Now the free is refused (error
-// returned, pointer still allocated).
-TEST_CASE("fault: record_fence failure on a cross-stream small free must not hand the slot out early [regression]") {
+// A cross-stream free records a fence on the freeing stream so the slab's stream does not reuse
+// the slot before the freeing stream is done. When that fence cannot be recorded the free is
+// refused (error returned, pointer still allocated): handing the slot out at once would give the
+// slab's stream memory the other stream may still be writing.
+TEST_CASE("fault: record_fence failure on a cross-stream small free must not hand the slot out early") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), small_opts());
   host_backend* hb = st->host;
@@ -120,7 +110,7 @@ TEST_CASE("fault: record_fence failure on a cross-stream small free must not han
     status d = a.try_deallocate(p, S(2));
     CHECK(st->injected() == 1);
     if (d.ok()) {
-      CHECK_FALSE(reused(p));  // was: the slot came back to stream 1 at once
+      CHECK_FALSE(reused(p));  // not back to stream 1 while stream 2 may write it
     } else {                   // refusing the free, with p still allocated, is fine too
       CHECK(a.usable_size(p) > 0);
       a.deallocate(p, S(2));
@@ -130,12 +120,10 @@ TEST_CASE("fault: record_fence failure on a cross-stream small free must not han
   hb->complete_stream(S(2));
 }
 
-// Regression (heap::wait_covered): before unmapping a chunk the heap waits for the fence of the
-// stream that freed its blocks. When record_fence() failed, fence_covers() returned false and
-// wait_covered() then waited on the stream's previous fence (0 = "no fence" when none was ever
-// recorded), which is "done", so the chunk was unmapped while the stream might still use it. Now
-// trim() fails (the chunk stays) exactly as it does without the fault.
-TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending stream may use [regression]") {
+// Before unmapping a chunk the heap waits for the fence of the stream that freed its blocks. When
+// that fence cannot be recorded, trim() fails and the chunk stays mapped (a missing fence is never
+// taken for a completed one).
+TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending stream may use") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), small_opts());
   host_backend* hb = st->host;
@@ -160,7 +148,7 @@ TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending 
     }
     CHECK(st->injected() == 1);
     CHECK(a.check() == "");
-    CHECK(a.stats().mapped == mapped);  // was: the chunk was unmapped under stream 2
+    CHECK(a.stats().mapped == mapped);  // still mapped: stream 2 may use it
     (void)threw;
   }
   hb->complete_stream(S(2));

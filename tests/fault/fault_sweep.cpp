@@ -1,4 +1,4 @@
-// Fault-injection sweep (issue 3, "Fault injection").
+// Fault-injection sweep.
 //
 // Two scripted workloads (workload.hpp) are run once unarmed to count the backend calls of each
 // operation kind (construction + workload + destruction). Then, for every operation kind and every

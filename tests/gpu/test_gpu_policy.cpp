@@ -1,4 +1,4 @@
-// GPU tests of the policies (issue 4). main() is gpu_main.cpp: without a device this exits 77.
+// GPU tests of the policies. main() is gpu_main.cpp: without a device this exits 77.
 //
 //   compression  require: kernels write and read compressible memory; stats count its bytes
 //   fabric       ipc = fabric exports fabric handles, or falls back to POSIX fds (counted)

@@ -41,7 +41,7 @@ TEST_CASE("streams: growth next to a free tail held by a pending stream serves t
   void* y = a.allocate(1 * MiB, 0, S(1));  // takes the tail
   a.deallocate(y, S(2));                   // the tail is free, tagged stream 2 (pending)
   void* z = a.try_allocate(3 * MiB, 0, S(1));
-  CHECK(z != nullptr);  // was: "heap: no block fits after growth"
+  CHECK(z != nullptr);
   if (!z) MESSAGE("last_error: " << last_error().message);
   CHECK(a.check() == "");
   if (z) a.deallocate(z, S(1));
@@ -89,8 +89,8 @@ TEST_CASE("threads: check() while other threads allocate small blocks [regressio
 // already covered looked unusable again until the new fence completed. Within one grow() call the
 // span loop could judge a tail usable (old free, covered) and then, examining a later span, record
 // a new fence on the same stream; add_span_range() then found the same tail unusable, did not
-// merge, and the fresh block alone was smaller than the request. Fixed in 55d2fd4
-// (completed_seq per stream).
+// merge, and the fresh block alone was smaller than the request. Each stream now keeps the
+// sequence number its completed fences cover (completed_seq) apart from its latest fence.
 TEST_CASE("streams: a free covered by a completed fence stays usable when a newer fence is recorded [regression: heap::fence_covers]") {
   options o = opts();
   o.min_chunk = 8 * MiB;
@@ -119,7 +119,7 @@ TEST_CASE("streams: a free covered by a completed fence stays usable when a newe
   // 20 MiB on stream 1: grow() counts P's tail (covered by the completed fence) and extends P by
   // 14 MiB; examining Q on the way records a new (pending) fence on stream 2.
   void* big = a.try_allocate(20 * MiB, 0, S(1));
-  CHECK(big != nullptr);  // was: "heap: no block fits after growth"
+  CHECK(big != nullptr);
   if (!big) MESSAGE("last_error: " << last_error().message);
   CHECK(a.check() == "");
   if (big) a.deallocate(big, S(1));

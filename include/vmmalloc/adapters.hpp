@@ -1,7 +1,7 @@
 // vmmalloc adapters: a vmm::allocator behind the interfaces other libraries take. Header-only.
 //
 //   vmm::pmr_resource       std::pmr::memory_resource, host-accessible memory only      always
-//   vmm::cuda_resource      cuda::mr async resource with cuda::mr::device_accessible    with CCCL
+//   vmm::cuda_resource      cuda::mr stream-ordered resource, device_accessible         with CCCL
 //   vmm::thrust_allocator   allocator for thrust::device_vector<T, vmm::thrust_allocator<T>>  with thrust
 //
 // Each adapter holds a pointer to a vmm::allocator it does not own (RMM's rule): the allocator
@@ -13,11 +13,17 @@
 // <cuda-toolkit>/include/cccl) and VMM_NO_CCCL is not defined. VMM_HAVE_CUDA_MR and
 // VMM_HAVE_THRUST_ALLOCATOR say which are present. The file compiles in a TU without CCCL.
 //
-// cuda::mr: written against the experimental memory_resource API of CCCL 2.x-3.0 (checked with
-// CCCL 3.0.1, CUDA 13.0): allocate / deallocate / allocate_async / deallocate_async and the
-// get_property friend. That API is only declared when LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
-// is defined before <cuda/memory_resource> is first included; this header defines it, so include
-// it first (or define the macro yourself for the whole build). Otherwise it stops with #error.
+// cuda::mr: CCCL 3.1 renamed the interface; both forms are served, chosen by CCCL_VERSION:
+//   CCCL 2.x - 3.0   allocate(bytes, align), deallocate(p, bytes, align)           synchronous
+//                    allocate_async(bytes, align, stream), deallocate_async(p, bytes, align, stream)
+//                    concept cuda::mr::async_resource_with<R, props...>
+//   CCCL 3.1+        allocate_sync(bytes, align), deallocate_sync(p, bytes, align) synchronous
+//                    allocate(stream, bytes, align), deallocate(stream, p, bytes, align)
+//                    concept cuda::mr::resource_with<R, props...> (RMM's form too)
+// VMM_CUDA_MR_STREAM_FIRST is 1 for the 3.1+ form, 0 for the older one. Before CCCL 3.2 that API
+// (3.1: only resource_ref) is declared only when LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE is
+// defined before <cuda/memory_resource> is first included; this header defines it there, so
+// include it first (or define the macro for the whole build); otherwise it stops with #error.
 #pragma once
 
 #include <cstddef>
@@ -30,12 +36,24 @@
 #if !defined(VMM_NO_CCCL) && defined(__has_include)
 #if __has_include(<cuda/memory_resource>) && __has_include(<cuda/stream_ref>) && \
     __has_include(<cuda_runtime_api.h>)
+#if __has_include(<cuda/version>)
+#include <cuda/version>  // CCCL_VERSION, and nothing of cuda::mr yet
+#else
+#include <cuda/std/version>
+#endif
+#if defined(CCCL_VERSION) && CCCL_VERSION >= 3001000
+#define VMM_CUDA_MR_STREAM_FIRST 1
+#else
+#define VMM_CUDA_MR_STREAM_FIRST 0
+#endif
+#if !defined(CCCL_VERSION) || CCCL_VERSION < 3002000
 #if !defined(LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE) && \
     (defined(_CUDA_MEMORY_RESOURCE) || defined(_CUDA__MEMORY_RESOURCE_RESOURCE_H))
 #error "vmmalloc/adapters.hpp: <cuda/memory_resource> was included before it without LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE: include vmmalloc/adapters.hpp first, define the macro for the whole build, or define VMM_NO_CCCL"
 #endif
 #ifndef LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
 #define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
+#endif
 #endif
 #include <cuda/memory_resource>
 #include <cuda/stream_ref>
@@ -89,40 +107,58 @@ class pmr_resource final : public std::pmr::memory_resource {
 // ---- cuda::mr ----------------------------------------------------------------------------------
 
 #ifdef VMM_HAVE_CUDA_MR
-// A cuda::mr async resource over a vmm::allocator:
-//   allocate(bytes, align)                    -> allocator.allocate(bytes, align)       (null stream)
-//   allocate_async(bytes, align, stream)      -> allocator.allocate(bytes, align, stream)
-//   deallocate_async(p, bytes, align, stream) -> allocator.deallocate(p, stream): reusable on that
-//                                                stream at once, on others after its work so far
+// A cuda::mr resource over a vmm::allocator, stream-ordered, in the form of the CCCL in use:
+//   CCCL 3.1+                              CCCL 2.x - 3.0                           vmm::allocator
+//   allocate_sync(bytes, align)            allocate(bytes, align)                   allocate(bytes, align) (null stream)
+//   allocate(stream, bytes, align)         allocate_async(bytes, align, stream)     allocate(bytes, align, stream)
+//   deallocate(stream, p, bytes, align)    deallocate_async(p, bytes, align, stream) deallocate(p, stream): reusable
+//                                                                                   on that stream at once, on
+//                                                                                   others after its work so far
 // 0 bytes gives nullptr (deallocating nullptr is a no-op). Alignment: a power of two up to the
 // granularity, default 256 (cudaMalloc's). Failures throw vmm::out_of_memory / vmm::error.
 // Property: device_accessible. (On the host backend the "device" is simulated, and the memory is
 // also host-accessible, which the type does not claim.)
 class cuda_resource {
+  static constexpr std::size_t default_alignment = ::cuda::mr::default_cuda_malloc_alignment;
+
  public:
   explicit cuda_resource(allocator& a) noexcept : a_(&a) {}
 
-  void* allocate(std::size_t bytes,
-                 std::size_t alignment = ::cuda::mr::default_cuda_malloc_alignment) {
+#if VMM_CUDA_MR_STREAM_FIRST
+  void* allocate_sync(std::size_t bytes, std::size_t alignment = default_alignment) {
     return bytes ? a_->allocate(bytes, alignment) : nullptr;
   }
-  void deallocate(void* p, std::size_t /*bytes*/,
-                  std::size_t /*alignment*/ = ::cuda::mr::default_cuda_malloc_alignment) {
+  void deallocate_sync(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/ = default_alignment) {
+    a_->deallocate(p);
+  }
+  void* allocate(::cuda::stream_ref s, std::size_t bytes, std::size_t alignment = default_alignment) {
+    return bytes ? a_->allocate(bytes, alignment, static_cast<stream_t>(s.get())) : nullptr;
+  }
+  void deallocate(::cuda::stream_ref s, void* p, std::size_t /*bytes*/,
+                  std::size_t /*alignment*/ = default_alignment) {
+    a_->deallocate(p, static_cast<stream_t>(s.get()));
+  }
+#else
+  void* allocate(std::size_t bytes, std::size_t alignment = default_alignment) {
+    return bytes ? a_->allocate(bytes, alignment) : nullptr;
+  }
+  void deallocate(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/ = default_alignment) {
     a_->deallocate(p);
   }
   void* allocate_async(std::size_t bytes, std::size_t alignment, ::cuda::stream_ref s) {
     return bytes ? a_->allocate(bytes, alignment, static_cast<stream_t>(s.get())) : nullptr;
   }
   void* allocate_async(std::size_t bytes, ::cuda::stream_ref s) {
-    return allocate_async(bytes, ::cuda::mr::default_cuda_malloc_alignment, s);
+    return allocate_async(bytes, default_alignment, s);
   }
   void deallocate_async(void* p, std::size_t /*bytes*/, std::size_t /*alignment*/,
                         ::cuda::stream_ref s) {
     a_->deallocate(p, static_cast<stream_t>(s.get()));
   }
   void deallocate_async(void* p, std::size_t bytes, ::cuda::stream_ref s) {
-    deallocate_async(p, bytes, ::cuda::mr::default_cuda_malloc_alignment, s);
+    deallocate_async(p, bytes, default_alignment, s);
   }
+#endif
 
   allocator& upstream() const noexcept { return *a_; }
   friend bool operator==(const cuda_resource& x, const cuda_resource& y) noexcept { return x.a_ == y.a_; }
@@ -132,7 +168,6 @@ class cuda_resource {
  private:
   allocator* a_;
 };
-static_assert(::cuda::mr::async_resource_with<cuda_resource, ::cuda::mr::device_accessible>);
 #endif
 
 // ---- thrust ------------------------------------------------------------------------------------

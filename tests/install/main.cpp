@@ -1,5 +1,11 @@
 // Consumer check, C++ API: allocate, write, free on the host backend; bad input is reported and
-// leaves the allocator intact.
+// leaves the allocator intact. Built with no standard flag of its own: the C++20 comes from the
+// installed target (CMake) or from pkg-config's cxxflags variable.
+#ifndef CONSUMER_NAME
+#define CONSUMER_NAME "consumer_cxx"
+#endif
+static_assert(__cplusplus >= 202002L, "not compiled as C++20: the usage requirement did not reach this consumer");
+
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -23,9 +29,9 @@ int main() {
   }
   std::string why = a.check();
   if (!reported || !why.empty() || a.stats().live != 0) {
-    std::printf("consumer_cxx FAILED: reported=%d check='%s'\n", reported, why.c_str());
+    std::printf(CONSUMER_NAME " FAILED: reported=%d check='%s'\n", reported, why.c_str());
     return 1;
   }
-  std::printf("consumer_cxx ok\n");
+  std::printf(CONSUMER_NAME " ok\n");
   return 0;
 }

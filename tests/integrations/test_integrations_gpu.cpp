@@ -3,7 +3,7 @@
 //
 //  * thrust::sort on thrust::device_vector<int, vmm::thrust_allocator<int>> (1M random ints)
 //  * device_vector<float>: written by a kernel, grown, pointer and contents kept, thrust::reduce
-//  * cuda_resource: allocate_async / kernel / deallocate_async on a stream
+//  * cuda_resource: stream-ordered allocate / kernel / deallocate on a stream
 //  * pmr_resource over the CUDA backend with location host_numa (its own ctest entry: see below)
 #include "gpu_util.cuh"  // <cuda_runtime.h> before device_vector.hpp: cudaMemcpy is its copier
 
@@ -80,27 +80,38 @@ TEST_CASE("device_vector<float>: a kernel's data survives growth at the same add
   CHECK(v.capacity() == 0);
 }
 
-TEST_CASE("cuda_resource: allocate_async, a kernel, deallocate_async on one stream") {
+// In the form of the toolkit's CCCL (adapters.hpp): 3.1+ allocate(stream, ...) / 3.0 allocate_async.
+#if VMM_CUDA_MR_STREAM_FIRST
+using device_ref = cuda::mr::resource_ref<cuda::mr::device_accessible>;
+void* mr_allocate(auto& r, std::size_t n, cudaStream_t s) { return r.allocate(cuda::stream_ref(s), n, 256); }
+void mr_deallocate(auto& r, void* p, std::size_t n, cudaStream_t s) { r.deallocate(cuda::stream_ref(s), p, n, 256); }
+#else
+using device_ref = cuda::mr::async_resource_ref<cuda::mr::device_accessible>;
+void* mr_allocate(auto& r, std::size_t n, cudaStream_t s) { return r.allocate_async(n, 256, cuda::stream_ref(s)); }
+void mr_deallocate(auto& r, void* p, std::size_t n, cudaStream_t s) { r.deallocate_async(p, n, 256, cuda::stream_ref(s)); }
+#endif
+
+TEST_CASE("cuda_resource: stream-ordered allocate, a kernel, deallocate on one stream") {
   vmm::allocator a;
   vmm::cuda_resource r(a);
-  cuda::mr::async_resource_ref<cuda::mr::device_accessible> ref{r};
+  device_ref ref{r};
   cudaStream_t s = nullptr;
   GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const std::size_t bytes = std::size_t{24} << 20;
 
-  void* p = ref.allocate_async(bytes, 256, cuda::stream_ref(s));
+  void* p = mr_allocate(ref, bytes, s);
   REQUIRE(p != nullptr);
   CHECK(a.usable_size(p) >= bytes);
   gpu::fill(p, bytes, 1, s);
   CHECK(gpu::verify(p, bytes, 1, s) == 0);
-  ref.deallocate_async(p, bytes, 256, cuda::stream_ref(s));
+  mr_deallocate(ref, p, bytes, s);
 
   // Reuse on the same stream needs no wait: the next allocation may take the same block.
-  void* q = r.allocate_async(bytes, 256, cuda::stream_ref(s));
+  void* q = mr_allocate(r, bytes, s);
   REQUIRE(q != nullptr);
   gpu::fill(q, bytes, 2, s);
   CHECK(gpu::verify(q, bytes, 2, s) == 0);
-  r.deallocate_async(q, bytes, 256, cuda::stream_ref(s));
+  mr_deallocate(r, q, bytes, s);
 
   GPU_CHECK(cudaStreamSynchronize(s));
   GPU_CHECK(cudaStreamDestroy(s));

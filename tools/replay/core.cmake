@@ -20,8 +20,17 @@ target_compile_options(vmm_replay_core PRIVATE -Wall -Wextra)
 
 # CUDA peers (cudaMalloc, cudaMallocAsync) need only cudart's C API: compiled by the C++ compiler,
 # linked against cudart. Gated on nvcc like the rest of the project's GPU code.
-if(VMM_HAVE_NVCC AND TARGET CUDA::cudart)
-  target_link_libraries(vmm_replay_core PUBLIC CUDA::cudart)
+# cudart is linked statically: the installed tools start where no libcudart is on the loader path
+# (a driver-only machine, a toolkit somewhere else), and cudart_static loads libcuda at run time as
+# vmmalloc does; an rpath to the build machine's toolkit would break both. Cost: ~1 MB per binary.
+# With the torch peer, libtorch brings the shared cudart: one runtime per process, so that one.
+if(VMM_WITH_TORCH)
+  set(_vmm_cudart CUDA::cudart)
+else()
+  set(_vmm_cudart CUDA::cudart_static)
+endif()
+if(VMM_HAVE_NVCC AND TARGET ${_vmm_cudart})
+  target_link_libraries(vmm_replay_core PUBLIC ${_vmm_cudart})
   target_compile_definitions(vmm_replay_core PUBLIC VMM_REPLAY_CUDA=1)
   message(STATUS "vmmalloc: replay/demo/bench peers: cudaMalloc, cudaMallocAsync (cudart)")
 else()

@@ -1,0 +1,1 @@
+"""vmmalloc from Python (placeholder: the package's real modules come from the python/ work)."""

@@ -81,8 +81,10 @@ struct last_error_info {
   std::string message;
 };
 const last_error_info& last_error() noexcept;
-// Sets this thread's last error: "context: <status message>" ("" when s is ok).
-void set_last_error(const status& s, const char* context);
+// Sets this thread's last error: "context: <status message><detail>" ("" when s is ok).
+void set_last_error(const status& s, const char* context, const std::string& detail = {});
+// Throws this thread's last error as out_of_memory / error, its message prefixed by `where`.
+[[noreturn]] void throw_last_error(const std::string& where);
 
 }  // namespace vmm
 

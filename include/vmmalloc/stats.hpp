@@ -32,6 +32,7 @@ struct allocator_stats {
   std::size_t chunks = 0, idle = 0, free_chunk_bytes = 0, slab_bytes = 0;
   std::uint64_t allocs = 0, frees = 0, live = 0, deferred = 0;
   std::uint64_t grows = 0, chunk_releases = 0, trims = 0, stitched = 0, compression_fallbacks = 0;
+  std::uint64_t reclaims = 0;           // out-of-memory paths that gave free memory back and retried
   std::size_t compressed = 0;           // mapped bytes the driver granted compression for
   std::uint64_t ipc_fallbacks = 0;      // fabric asked for, POSIX fds used
   std::uint64_t access_changes = 0;     // grant/revoke calls that changed the access table

@@ -142,6 +142,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   // Pieces: idle handles first (largest that fit), then one created handle for the rest.
   struct piece { std::size_t size; mem_handle h; bool created; };
   std::vector<piece> pieces;
+  std::size_t taken = 0;  // physical bytes in `pieces`: still ours while they wait to be mapped
   auto give_back = [&](std::size_t from) {
     for (std::size_t i = from; i < pieces.size(); ++i) {
       if (pieces[i].created) release_or_park(pieces[i].h, pieces[i].size);
@@ -155,6 +156,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       --it;  // largest idle handle <= want
       pieces.push_back({it->first, it->second, false});
       idle_bytes_ -= it->first;
+      taken += it->first;
       idle_.erase(it);
       off += pieces.back().size;
       continue;
@@ -167,7 +169,9 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
         return {0, r};
       }
     }
-    const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes();
+    // The limit is checked before the create: everything held, the pieces taken for this range
+    // included, plus what the create would add.
+    const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes() + taken;
     if (want > opt_.memory_limit || physical > opt_.memory_limit - want) {
       give_back(0);
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};

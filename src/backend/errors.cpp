@@ -52,9 +52,15 @@ void throw_status(const status& s, const std::string& context) {
 
 const last_error_info& last_error() noexcept { return tl_last; }
 
-void set_last_error(const status& s, const char* context) {
+void throw_last_error(const std::string& where) {
+  const std::string msg = where + "::" + tl_last.message;
+  if (tl_last.st.kind == errc::out_of_memory) throw out_of_memory(tl_last.st, msg);
+  throw error(tl_last.st, msg);
+}
+
+void set_last_error(const status& s, const char* context, const std::string& detail) {
   tl_last.st = s;
-  tl_last.message = s.ok() ? std::string() : std::string(context) + ": " + s.message();
+  tl_last.message = s.ok() ? std::string() : std::string(context) + ": " + s.message() + detail;
 }
 
 }  // namespace vmm

@@ -13,6 +13,7 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -72,6 +73,19 @@ allocator allocator::host(const options& o, const host_backend_options& h) {
   return allocator(make_backend<host_backend>(h), o);
 }
 
+std::string allocator_impl::out_of_memory_detail() const {
+  // Caller holds mu. What the user needs to act: what is live, what the allocator holds, the limit.
+  const auto h = hp->stats();
+  const auto a = ar->stats();
+  auto mib = [](std::size_t n) { return std::to_string(n >> 20) + " MiB"; };
+  std::string d = " (live " + mib(h.allocated) + " in " + std::to_string(h.live) + " blocks; held " +
+                  mib(a.physical) + ": mapped " + mib(a.mapped) + ", idle " + mib(a.idle) + ", free chunks " +
+                  mib(a.free_chunk_bytes) + "; limit ";
+  d += ar->opts().memory_limit == std::numeric_limits<std::size_t>::max() ? std::string("none (the device's memory)")
+                                                                          : mib(ar->opts().memory_limit);
+  return d + ")";
+}
+
 void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
   impl& m = *p_;
   if (alignment == 0) alignment = m.ar->opts().alignment;
@@ -101,8 +115,8 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
       }
       if (b.n && b.stream == s) {  // the fast path: pop, mark the slot the user's
         auto& e = b.e[--b.n];
-        e.r.state->store(1, std::memory_order_relaxed);
-        *e.r.req = static_cast<std::uint32_t>(bytes);
+        e.r.state->store(e.r.word(1), std::memory_order_relaxed);
+        e.r.req->store(static_cast<std::uint32_t>(bytes), std::memory_order_relaxed);
         c.req_delta.add(bytes);
         c.cached_bytes.add(-std::uint64_t{e.r.size});
         c.cached_count.add(-std::uint64_t{1});
@@ -113,12 +127,21 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
     }
   }
   result<std::uintptr_t> r;
+  std::string why;
   {
     std::lock_guard g(m.mu);
-    r = m.hp->allocate(bytes, alignment, s);
+    r = m.hp->allocate(bytes, alignment, s);  // reclaims and retries once inside
+    if (!r.ok() && r.st.kind == errc::out_of_memory) {
+      // This thread's cached slots may pin slabs the heap could give back: return them, try again.
+      if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->cached_count.get()) {
+        m.flush_cache(*tl_cache, true);
+        r = m.hp->allocate(bytes, alignment, s);
+      }
+      if (!r.ok()) why = m.out_of_memory_detail();
+    }
   }
   if (!r.ok()) {
-    set_last_error(r.st, "allocate");
+    set_last_error(r.st, ("allocate(" + std::to_string(bytes) + ")").c_str(), why);
     return nullptr;
   }
   if (m.trace) [[unlikely]] m.trace->event('a', r.value, bytes, s);
@@ -127,7 +150,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
 
 void* allocator::allocate(std::size_t bytes, std::size_t alignment, stream_t s) {
   void* p = try_allocate(bytes, alignment, s);
-  if (!p) throw_status(last_error().st, "vmm::allocator::allocate(" + std::to_string(bytes) + ")");
+  if (!p) throw_last_error("vmm::allocator");
   return p;
 }
 
@@ -137,19 +160,22 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
   auto u = reinterpret_cast<std::uintptr_t>(p);
   heap::slot_ref r;
   if (m.tc_enabled && m.hp->small_slot(u, r) && r.stream == s &&
-      r.state->load(std::memory_order_relaxed) == 1) {
+      r.state->load(std::memory_order_relaxed) == r.word(1)) {
     tcache& c = m.my_cache();
     auto& b = c.bins[r.cls];
-    std::uint8_t expect = 1;  // claim the slot atomically: two racing frees cannot both win
+    // Claim the slot atomically: two racing frees cannot both win, and the tag in the word fails
+    // a claim on a slab that was set up again since small_slot() read it.
+    std::uint16_t expect = r.word(1);
     if ((b.n == 0 || b.stream == s) &&
-        r.state->compare_exchange_strong(expect, 2, std::memory_order_acq_rel)) {  // the fast path
+        r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel)) {  // the fast path
       if (b.n == m.tc_cap) {
         std::lock_guard g(m.mu);
         m.flush_cache(c, false);
       }
-      c.req_delta.add(-std::uint64_t{*r.req});
-      if (m.trace) [[unlikely]] m.trace->event('f', u, *r.req, s);
-      *r.req = 0;
+      const std::uint32_t req = r.req->load(std::memory_order_relaxed);
+      c.req_delta.add(-std::uint64_t{req});
+      if (m.trace) [[unlikely]] m.trace->event('f', u, req, s);
+      r.req->store(0, std::memory_order_relaxed);
       b.e[b.n++] = {u, r};
       b.stream = s;
       c.cached_bytes.add(r.size);

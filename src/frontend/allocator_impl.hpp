@@ -39,6 +39,7 @@ struct allocator::impl {
   std::unique_ptr<trace_writer> trace;  // null unless options.trace_path is set
   std::uint64_t exported = 0;           // under mu
 
+  std::string out_of_memory_detail() const;
   tcache& my_cache() { return tl_cache_owner == id ? *tl_cache : my_cache_slow(); }
   tcache& my_cache_slow();  // first use on this thread, or another allocator's cache was last
   void flush_cache(tcache& c, bool all);  // caller holds mu

@@ -48,6 +48,7 @@ allocator_stats allocator::stats() const {
   s.grows = h.grows;
   s.chunk_releases = h.chunk_releases;
   s.trims = h.trims;
+  s.reclaims = h.reclaims;
   s.stitched = a.stitched;
   s.compression_fallbacks = a.compression_fallbacks;
   s.ipc_fallbacks = a.ipc_fallbacks;
@@ -86,7 +87,8 @@ std::string allocator::check() const {
       std::uint64_t n = 0;
       for (auto& b : c->bins) {
         for (std::uint32_t k = 0; k < b.n; ++k)
-          if (b.e[k].r.state->load(std::memory_order_relaxed) != 2) return "a thread-cached slot is not in state 2";
+          if (b.e[k].r.state->load(std::memory_order_relaxed) != b.e[k].r.word(2))
+            return "a thread-cached slot is not in state 2";
         n += b.n;
       }
       if (n != c->cached_count.get()) return "thread cache count is off";

@@ -92,20 +92,23 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
       ++slabs;
       if (s->base != m.a.base() + pg * m.G || s->blk->addr != s->base) return "slab not at its page";
       std::size_t held = 0, pending = 0;
-      for (std::uint32_t i = 0; i < s->nslots; ++i)
-        if (s->state[i].load(std::memory_order_relaxed) != 0) {
+      if (s->seq.load() & 1) return "a slab is half set up";
+      for (std::uint32_t i = 0; i < s->nslots; ++i) {
+        if ((s->state[i].load(std::memory_order_relaxed) & 0xff00) != s->tag) return "a slot state carries another slab's tag";
+        if (s->get(i) != impl::slot_free) {
           ++held;
           allocated += s->slot;
-          if (exact_requested) requested += s->req[i];  // others may be writing it
+          if (exact_requested) requested += s->requested(i);  // others may be writing it
           ++live;
-        } else if (s->req[i] != 0) {
+        } else if (s->requested(i) != 0) {
           return "a free slot still records requested bytes";
         }
+      }
       for (auto& d : m.deferred_frees) pending += d.p - s->base < m.G;
       if (s->used != held + pending) return "slab used count is off";
       if (s->free.size() != s->nslots - s->used) return "slab free stack size is off";
       for (auto i : s->free)
-        if (s->state[i].load(std::memory_order_relaxed) != 0) return "a live slot is on the free stack";
+        if (s->get(i) != impl::slot_free) return "a live slot is on the free stack";
       if (s->listed != !s->free.empty()) return "slab class list membership is off";
     }
   }

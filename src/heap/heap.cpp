@@ -29,8 +29,6 @@ heap::impl::impl(arena& ar) : a(ar), G(ar.granularity()), pages(ar.pages()) {
 heap::heap(arena& a) : p_(std::make_unique<impl>(a)) {}
 
 heap::~heap() {
-  // Slabs are heap objects: collect them through the page map (every slab owns one page).
-  for (auto& e : p_->pages) delete e.s.load();
   for (auto& d : p_->deferred_frees)
     p_->drop_fences(d.fences);
   for (auto& [s, ss] : p_->streams)
@@ -38,6 +36,16 @@ heap::~heap() {
 }
 
 result<std::uintptr_t> heap::allocate(std::size_t n, std::size_t align, stream_t s) {
+  result<std::uintptr_t> r = allocate_once(n, align, s);
+  // Out of memory (the policy's limit or the driver's) while memory this heap holds is free:
+  // give it back and try once more, as PyTorch's caching allocator frees its cache before it
+  // raises. Only on this failure path: the common path never pays for it.
+  if (!r.ok() && r.st.kind == errc::out_of_memory && n <= p_->a.reservation_size() && p_->reclaim())
+    r = allocate_once(n, align, s);
+  return r;
+}
+
+result<std::uintptr_t> heap::allocate_once(std::size_t n, std::size_t align, stream_t s) {
   auto& m = *p_;
   if (n == 0) return {0, fail(errc::invalid_value, "size 0")};
   if (align == 0 || (align & (align - 1))) return {0, fail(errc::invalid_value, "alignment is not a power of two")};
@@ -59,9 +67,10 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     std::uintptr_t off = p - sl->base;
     std::uint32_t i = static_cast<std::uint32_t>(off / sl->slot);
     if (off % sl->slot || i >= sl->nslots) return fail(errc::invalid_pointer, "interior pointer (not the start of an allocation)");
-    std::uint8_t state = sl->state[i].load(std::memory_order_relaxed);
-    if (state == 0) return fail(errc::invalid_pointer, "double free (block is not allocated)");
-    if (state == 2) return fail(errc::invalid_pointer, "double free (block is already freed into a thread cache)");
+    const std::uint8_t state = sl->get(i);
+    if (state == impl::slot_free) return fail(errc::invalid_pointer, "double free (block is not allocated)");
+    if (state == impl::slot_cached)
+      return fail(errc::invalid_pointer, "double free (block is already freed into a thread cache)");
     // Fences first: if one cannot be recorded the free is refused and the block stays allocated.
     // The slab's stream reuses slots at once, so a free on another stream waits for that stream.
     std::vector<stream_t> wait_on;
@@ -72,11 +81,11 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     if (status r = m.record_fences(wait_on, fences); !r.ok()) return r;
     // Claim the slot: a thread-cache free of the same pointer racing this one (a caller's bug)
     // sees the state change and reports a double free instead of both succeeding.
-    if (!sl->state[i].compare_exchange_strong(state, 0, std::memory_order_acq_rel))
+    if (!sl->swap(i, state, impl::slot_free))
       return m.drop_fences(fences), fail(errc::invalid_pointer, "double free (freed concurrently by another thread)");
     if (extra != m.extra_streams.end()) m.extra_streams.erase(extra);
-    m.note_free(sl->req[i], sl->slot);
-    sl->req[i] = 0;
+    m.note_free(sl->requested(i), sl->slot);
+    sl->set_requested(i, 0);
     if (!fences.empty()) {
       m.deferred_frees.push_back({p, s, std::move(fences)});
       ++m.st.deferred;
@@ -121,8 +130,8 @@ std::size_t heap::usable_size(std::uintptr_t p) const {
     std::uintptr_t off = p - sl->base;
     std::uint32_t i = static_cast<std::uint32_t>(off / sl->slot);
     if (off % sl->slot || i >= sl->nslots) return 0;
-    auto state = sl->state[i].load(std::memory_order_relaxed);
-    if (state != 1 && state != 3) return 0;
+    const auto state = sl->get(i);
+    if (state != impl::slot_user && state != impl::slot_user_recorded) return 0;
     return sl->slot;
   }
   impl::block* b = m.block_at(p);
@@ -135,8 +144,31 @@ std::size_t heap::usable_size(std::uintptr_t p) const {
 std::size_t heap::requested_size(std::uintptr_t p) const {
   auto& m = *p_;
   if (!usable_size(p)) return 0;
-  if (impl::slab* sl = m.slab_at(m.a.page_of(p))) return sl->req[(p - sl->base) / sl->slot];
+  if (impl::slab* sl = m.slab_at(m.a.page_of(p)))
+    return sl->requested(static_cast<std::uint32_t>((p - sl->base) / sl->slot));
   return m.block_at(p)->requested;
+}
+
+bool heap::impl::reclaim() {
+  const std::size_t before = a.idle_bytes() + a.free_chunk_bytes();
+  const std::uint64_t slabs_before = st.slabs, deferred_before = st.deferred;
+  poll_deferred();
+  (void)a.retry_strays();
+  destroy_empty_slabs();
+  // Every wholly free chunk becomes an idle handle (waiting for the fences of its blocks' streams:
+  // this is the out-of-memory path, not the hot path); the retry maps those handles where it
+  // needs them and releases the ones that do not fit before it creates anything.
+  if (!evict_free_chunks(~std::size_t{0}, true, true).ok()) return false;
+  ++st.reclaims;
+  return a.idle_bytes() + a.free_chunk_bytes() != before || st.slabs != slabs_before ||
+         st.deferred != deferred_before || a.idle_bytes() != 0;
+}
+
+void heap::impl::destroy_empty_slabs() {
+  std::vector<slab*> empty;
+  for (auto& e : pages)
+    if (slab* s = e.s.load(std::memory_order_relaxed); s && s->used == 0) empty.push_back(s);
+  for (auto* s : empty) destroy_slab(s);
 }
 
 status heap::trim(std::size_t keep) {
@@ -144,11 +176,7 @@ status heap::trim(std::size_t keep) {
   ++m.st.trims;
   m.poll_deferred();
   (void)m.a.retry_strays();  // a refusal stays parked and is reported through take_parked_error
-  // Empty slabs first: they pin chunks that are otherwise free.
-  std::vector<impl::slab*> empty;
-  for (auto& e : m.pages)
-    if (impl::slab* s = e.s.load(); s && s->used == 0) empty.push_back(s);
-  for (auto* s : empty) m.destroy_slab(s);
+  m.destroy_empty_slabs();  // first: they pin chunks that are otherwise free
   status r;
   while (r.ok() && m.a.free_chunk_bytes() + m.a.idle_bytes() > keep) {
     if (m.a.idle_bytes()) {

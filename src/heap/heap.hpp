@@ -46,6 +46,7 @@ struct heap_stats {
   std::uint64_t slabs = 0, huge_live = 0, deferred = 0;  // deferred: frees waiting on fences
   std::uint64_t grows = 0, chunk_releases = 0, trims = 0;
   std::uint64_t exported_released = 0;  // exported allocations freed (chunks released, not reused)
+  std::uint64_t reclaims = 0;           // out-of-memory paths that gave free memory back and retried
 };
 
 class heap {
@@ -55,7 +56,9 @@ class heap {
   heap(const heap&) = delete;
   heap& operator=(const heap&) = delete;
 
-  // n >= 1, align a power of two >= 1 (raised to 256). Returns the address or 0 + status.
+  // n >= 1, align a power of two >= 1 (raised to 256). Returns the address or 0 + status. Before
+  // it reports out_of_memory it reclaims what it holds free (empty slabs, free chunks, idle
+  // handles, deferred frees whose fences completed) and tries once more.
   result<std::uintptr_t> allocate(std::size_t n, std::size_t align, stream_t s);
   // Errors (state untouched): invalid_pointer for foreign, interior, or already-freed pointers.
   status deallocate(std::uintptr_t p, stream_t s);
@@ -85,13 +88,17 @@ class heap {
   // ---- thread-cache support (front end) ----
   // A slab slot's metadata, readable without the lock while the slot is live or cached.
   struct slot_ref {
-    std::atomic<std::uint8_t>* state = nullptr;  // 0 free, 1 user, 2 thread cache, 3 user + record_stream
-    std::uint32_t* req = nullptr;                // requested bytes
+    std::atomic<std::uint16_t>* state = nullptr;  // tag | 0 free, 1 user, 2 thread cache, 3 user + record_stream
+    std::atomic<std::uint32_t>* req = nullptr;    // requested bytes
     std::uint32_t size = 0, cls = 0;
-    stream_t stream = nullptr;                   // the slab's stream
+    stream_t stream = nullptr;                    // the slab's stream
+    std::uint16_t tag = 0;                        // the slab's tag (high byte of each state word)
+    std::uint16_t word(std::uint8_t st) const { return static_cast<std::uint16_t>(tag | st); }
   };
   int small_class(std::size_t n) const noexcept;  // -1: n takes another path
-  bool small_slot(std::uintptr_t p, slot_ref& r) const noexcept;  // false: p is no slot start
+  // Lock-free: false when p is no slot start, or the slab changed while being read (then the
+  // locked path decides).
+  bool small_slot(std::uintptr_t p, slot_ref& r) const noexcept;
   // Under the caller's lock: hand out up to max slots of a class in state 2 (counted as allocated
   // with 0 requested bytes), and take cached slots (state 2, req 0) back.
   // tag: the calling thread cache (see set_cache_tag); its refills come from slabs it owns.
@@ -101,6 +108,7 @@ class heap {
 
 
  private:
+  result<std::uintptr_t> allocate_once(std::size_t n, std::size_t align, stream_t s);
   struct impl;
   std::unique_ptr<impl> p_;
 };

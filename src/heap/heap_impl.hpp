@@ -74,7 +74,19 @@ struct heap::impl {
     T& operator[](std::size_t i) const { return p[i]; }
   };
 
+  // Slot states, in the low byte of each slot's 16-bit state word. The high byte is the slab's
+  // tag: it changes every time a slab object is set up for a page, so a lock-free free that read
+  // an old incarnation's metadata fails its compare-exchange instead of touching a new owner's slot.
+  enum : std::uint8_t { slot_free = 0, slot_user = 1, slot_cached = 2, slot_user_recorded = 3 };
+
+  // A slab object is never freed while the heap lives: destroy_slab() parks it for the next
+  // new_slab() (type-stable memory), and its arrays are sized once for the most slots a page can
+  // hold (G / 256), so a thread on the lock-free free path that raced a trim() still reads valid
+  // memory. Fields the lock-free path reads (small_slot) are written with atomic stores while
+  // `seq` is odd (a seqlock); everything else is under the heap lock.
   struct alignas(64) slab {
+    std::atomic<std::uint32_t> seq{0};  // odd while being set up; the tag is (seq >> 1) & 0xff
+    std::uint16_t tag = 0;              // current tag << 8
     std::uintptr_t base = 0;
     block* blk = nullptr;
     stream_t stream = nullptr;
@@ -82,15 +94,26 @@ struct heap::impl {
     std::uint64_t inv = 0;  // ceil(2^40 / slot): index = off * inv >> 40, exact for off < 2^24
     std::uint32_t index(std::uintptr_t off) const { return static_cast<std::uint32_t>((off * inv) >> 40); }
     std::vector<std::uint32_t> free;   // stack of free slot indices: pop = O(1)
-    // Per slot: 0 free, 1 the user's, 2 in a thread cache, 3 the user's with record_stream.
-    // Atomic bytes: thread caches flip their own slots without the heap lock.
-    line_array<std::atomic<std::uint8_t>> state;
-    line_array<std::uint32_t> req;  // requested bytes per slot
+    // Per slot: tag | state (slot_*). Atomic: thread caches flip their own slots without the lock.
+    line_array<std::atomic<std::uint16_t>> state;
+    line_array<std::atomic<std::uint32_t>> req;  // requested bytes per slot
     std::uint64_t owner = 0;  // thread cache that refills from it (0: none): no false sharing
     slab* prev = nullptr;              // class list of slabs with a free slot
     slab* next = nullptr;
     bool listed = false;
+
+    std::uint8_t get(std::uint32_t i) const { return static_cast<std::uint8_t>(state[i].load(std::memory_order_relaxed)); }
+    void set(std::uint32_t i, std::uint8_t st) { state[i].store(tag | st, std::memory_order_relaxed); }
+    // Moves slot i from `from` to `to` unless something else changed it first.
+    bool swap(std::uint32_t i, std::uint8_t from, std::uint8_t to) {
+      std::uint16_t e = tag | from;
+      return state[i].compare_exchange_strong(e, static_cast<std::uint16_t>(tag | to), std::memory_order_acq_rel);
+    }
+    std::uint32_t requested(std::uint32_t i) const { return req[i].load(std::memory_order_relaxed); }
+    void set_requested(std::uint32_t i, std::uint32_t n) { req[i].store(n, std::memory_order_relaxed); }
   };
+  std::vector<std::unique_ptr<slab>> slab_objects;  // every slab object made (type-stable storage)
+  std::vector<slab*> spare_slabs;                    // parked by destroy_slab, reused by new_slab
 
   struct stream_state {
     fence_t fence = 0;
@@ -244,6 +267,10 @@ struct heap::impl {
   void complete_free(std::uintptr_t p, stream_t s);
 
   void maybe_release();
+  // Out-of-memory path: empty slabs, free chunks (into idle handles), deferred frees. true when
+  // something was given back or is now idle for the retry to map.
+  bool reclaim();
+  void destroy_empty_slabs();
 
   void note_alloc(std::size_t n, std::size_t sz);
   void note_free(std::size_t n, std::size_t sz);

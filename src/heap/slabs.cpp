@@ -10,22 +10,44 @@ result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
   if (!r.ok()) return {nullptr, r.st};
   block* b = r.value;
   b->flags = f_slab;
-  auto s = std::make_unique<slab>();
-  s->base = b->addr;
+  slab* s = nullptr;
+  if (!spare_slabs.empty()) {
+    s = spare_slabs.back();
+    spare_slabs.pop_back();
+  } else {
+    slab_objects.push_back(std::make_unique<slab>());  // host memory: G / 256 x 6 B of arrays
+    s = slab_objects.back().get();
+    s->state.reset(G / kUnit);
+    s->req.reset(G / kUnit);
+  }
+  // Set up under the seqlock: a lock-free reader that sees seq change takes the locked path.
+  const std::uint32_t seq = s->seq.load(std::memory_order_relaxed) + 1;
+  s->seq.store(seq, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  const std::uint32_t slot = class_size[cls];
+  std::atomic_ref(s->base).store(b->addr, std::memory_order_relaxed);
+  std::atomic_ref(s->stream).store(x, std::memory_order_relaxed);
+  std::atomic_ref(s->cls).store(cls, std::memory_order_relaxed);
+  std::atomic_ref(s->slot).store(slot, std::memory_order_relaxed);
+  std::atomic_ref(s->nslots).store(static_cast<std::uint32_t>(G / slot), std::memory_order_relaxed);
+  std::atomic_ref(s->inv).store(((std::uint64_t{1} << 40) + slot - 1) / slot, std::memory_order_relaxed);
+  s->tag = static_cast<std::uint16_t>((((seq + 1) >> 1) & 0xff) << 8);
   s->blk = b;
-  s->stream = x;
-  s->cls = cls;
-  s->slot = class_size[cls];
-  s->nslots = static_cast<std::uint32_t>(G / s->slot);
-  s->inv = ((std::uint64_t{1} << 40) + s->slot - 1) / s->slot;
+  s->used = 0;
+  s->owner = 0;
+  s->prev = s->next = nullptr;
+  s->listed = false;
   s->free.resize(s->nslots);
-  for (std::uint32_t i = 0; i < s->nslots; ++i) s->free[i] = s->nslots - 1 - i;
-  s->state.reset(s->nslots);  // zero-initialised: every slot free
-  s->req.reset(s->nslots);
-  pages[a.page_of(b->addr)].s.store(s.get(), std::memory_order_release);
+  for (std::uint32_t i = 0; i < s->nslots; ++i) {
+    s->free[i] = s->nslots - 1 - i;
+    s->set(i, slot_free);
+    s->set_requested(i, 0);
+  }
+  s->seq.store(seq + 1, std::memory_order_release);
+  pages[a.page_of(b->addr)].s.store(s, std::memory_order_release);
   st.slab_bytes += G;
   ++st.slabs;
-  return {s.release(), {}};
+  return {s, {}};
 }
 
 void heap::impl::destroy_slab(slab* s) {
@@ -35,7 +57,7 @@ void heap::impl::destroy_slab(slab* s) {
   st.slab_bytes -= G;
   --st.slabs;
   free_large(s->blk, s->stream);
-  delete s;
+  spare_slabs.push_back(s);  // never freed: a racing lock-free free may still read it
 }
 
 result<std::uintptr_t> heap::impl::allocate_small(std::size_t n, stream_t x, std::uint8_t state) {
@@ -71,8 +93,8 @@ result<std::uintptr_t> heap::impl::allocate_class(std::uint32_t cls, std::size_t
   std::uint32_t i = s->free.back();  // pop a free slot: the fast path
   s->free.pop_back();
   ++s->used;
-  s->state[i].store(state, std::memory_order_relaxed);
-  s->req[i] = static_cast<std::uint32_t>(n);
+  s->set(i, state);
+  s->set_requested(i, static_cast<std::uint32_t>(n));
   if (s->free.empty()) list_remove(heads, s);
   note_alloc(n, s->slot);
   return {s->base + std::uintptr_t{i} * s->slot, {}};
@@ -92,9 +114,9 @@ std::vector<class_occupancy> heap::occupancy() const {
     o.slots += s->nslots;
     o.used_slots += s->used;
     for (std::uint32_t i = 0; i < s->nslots; ++i) {
-      auto st = s->state[i].load(std::memory_order_relaxed);
-      if (st == 1 || st == 3) o.live_bytes += s->req[i];
-      if (st == 2) ++o.cached_slots;
+      const auto st = s->get(i);
+      if (st == impl::slot_user || st == impl::slot_user_recorded) o.live_bytes += s->requested(i);
+      if (st == impl::slot_cached) ++o.cached_slots;
     }
   }
   return v;
@@ -110,14 +132,26 @@ bool heap::small_slot(std::uintptr_t p, slot_ref& r) const noexcept {
   if (!m.a.contains(p)) return false;
   impl::slab* sl = m.slab_at(m.a.page_of(p));
   if (!sl) return false;
-  std::uintptr_t off = p - sl->base;
-  std::uint32_t i = sl->index(off);  // no division on the free path
-  if (std::uintptr_t{i} * sl->slot != off || i >= sl->nslots) return false;
+  // Seqlock read: the slab may be set up again for another page or class by a thread holding the
+  // lock (trim, growth). A read that overlaps that returns false; the state word's tag then stops
+  // a compare-exchange on an entry read from an older incarnation.
+  const std::uint32_t seq = sl->seq.load(std::memory_order_acquire);
+  if (seq & 1) return false;
+  const std::uintptr_t base = std::atomic_ref(sl->base).load(std::memory_order_relaxed);
+  const std::uint32_t slot = std::atomic_ref(sl->slot).load(std::memory_order_relaxed);
+  const std::uint32_t nslots = std::atomic_ref(sl->nslots).load(std::memory_order_relaxed);
+  const std::uint64_t inv = std::atomic_ref(sl->inv).load(std::memory_order_relaxed);
+  r.cls = std::atomic_ref(sl->cls).load(std::memory_order_relaxed);
+  r.stream = std::atomic_ref(sl->stream).load(std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (sl->seq.load(std::memory_order_relaxed) != seq) return false;
+  const std::uintptr_t off = p - base;
+  const auto i = static_cast<std::uint32_t>((off * inv) >> 40);  // no division on the free path
+  if (off >= m.G || std::uintptr_t{i} * slot != off || i >= nslots) return false;
   r.state = &sl->state[i];
   r.req = &sl->req[i];
-  r.size = sl->slot;
-  r.cls = sl->cls;
-  r.stream = sl->stream;
+  r.size = slot;
+  r.tag = static_cast<std::uint16_t>((((seq >> 1)) & 0xff) << 8);
   return true;
 }
 
@@ -140,8 +174,8 @@ void heap::flush(const std::uintptr_t* ps, std::size_t n) {
   for (std::size_t k = 0; k < n; ++k) {
     impl::slab* sl = m.slab_at(m.a.page_of(ps[k]));
     auto i = static_cast<std::uint32_t>((ps[k] - sl->base) / sl->slot);
-    assert(sl->state[i].load() == 2 && sl->req[i] == 0);
-    sl->state[i].store(0, std::memory_order_relaxed);
+    assert(sl->get(i) == impl::slot_cached && sl->requested(i) == 0);
+    sl->set(i, impl::slot_free);
     m.note_free(0, sl->slot);
     m.release_slot(sl, i);
   }

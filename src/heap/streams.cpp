@@ -89,8 +89,13 @@ void heap::impl::complete_free(std::uintptr_t p, stream_t s) {
 
 status heap::record_stream(std::uintptr_t p, stream_t s) {
   if (!usable_size(p)) return fail(errc::invalid_pointer, "record_stream: pointer not allocated");
-  if (impl::slab* sl = p_->slab_at(p_->a.page_of(p)))  // thread caches must not take this free
-    sl->state[(p - sl->base) / sl->slot].store(3, std::memory_order_relaxed);
+  if (impl::slab* sl = p_->slab_at(p_->a.page_of(p))) {
+    // Thread caches must not take this free. A compare-exchange: a lock-free free of p racing
+    // this call (a use after free by the caller) wins or loses cleanly.
+    const auto i = static_cast<std::uint32_t>((p - sl->base) / sl->slot);
+    if (sl->get(i) == impl::slot_user && !sl->swap(i, impl::slot_user, impl::slot_user_recorded))
+      return fail(errc::invalid_pointer, "record_stream: pointer freed concurrently");
+  }
   auto& v = p_->extra_streams[p];
   if (std::find(v.begin(), v.end(), s) == v.end()) v.push_back(s);
   return {};

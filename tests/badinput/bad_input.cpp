@@ -116,20 +116,21 @@ void expect_bad_free(allocator& a, void* p) {
   still_works(a);
 }
 
-// Relaxed comparison for a request that reached the backend and failed there (beyond the physical
-// memory): before creating memory the heap unmaps wholly free chunks to reuse their handles
-// (stitch_on_grow), and that stays done when the request fails. So mapped / chunks /
-// free_chunk_bytes may drop (the handles sit idle: physical is unchanged); nothing else moves.
+// Comparison for a request that reached the backend and failed there (beyond the physical memory):
+// before it reports out_of_memory the heap gives back what it holds free (empty slabs, wholly free
+// chunks, idle handles) and tries once more, and that stays done when the request still fails. So
+// what is held may only drop (mapped, physical, slab pages); what is live does not move at all.
 void same_stats_after_backend_oom(const allocator_stats& x, const allocator_stats& y) {
   CHECK(x.requested == y.requested);
   CHECK(x.allocated == y.allocated);
   CHECK(x.live == y.live);
   CHECK(x.allocs == y.allocs);
   CHECK(x.frees == y.frees);
-  CHECK(x.physical == y.physical);
-  CHECK(x.slab_bytes == y.slab_bytes);
+  CHECK(y.physical <= x.physical);
+  CHECK(y.slab_bytes <= x.slab_bytes);
   CHECK(y.mapped <= x.mapped);
   CHECK(y.peak_physical == x.peak_physical);
+  CHECK(y.reclaims > x.reclaims);  // the failure path did give memory back before it gave up
 }
 
 enum class compare { strict, backend_oom };
@@ -416,13 +417,16 @@ struct c_fixture {
     return s;
   }
 };
-void same_c_stats(const vmm_stats& x, const vmm_stats& y) {
+// backend_oom: the request reached the backend, which refused it; the allocator gave back what it
+// held free before it reported out-of-memory, so mapped may drop (never rise).
+void same_c_stats(const vmm_stats& x, const vmm_stats& y, bool backend_oom = false) {
   CHECK(x.requested == y.requested);
   CHECK(x.allocated == y.allocated);
   CHECK(x.live == y.live);
   CHECK(x.allocs == y.allocs);
   CHECK(x.frees == y.frees);
-  CHECK(x.mapped == y.mapped);
+  if (backend_oom) CHECK(y.mapped <= x.mapped);
+  else CHECK(x.mapped == y.mapped);
 }
 void c_still_works(vmm_allocator* a) {
   CHECK(vmm_check(a) == VMM_SUCCESS);
@@ -475,7 +479,7 @@ TEST_CASE("C API: bad sizes and alignments -> NULL with the right status") {
     CHECK(p == nullptr);
     CHECK(vmm_last_status() == b.want);
     CHECK(std::strlen(vmm_last_error()) > 0);
-    same_c_stats(before, f.stats());
+    same_c_stats(before, f.stats(), b.size == 768 * MiB);  // within the reservation, past physical memory
     c_still_works(f.a);
   }
   // count x size overflow

@@ -1,0 +1,268 @@
+// Reliability under concurrency and pressure, on the host backend (CI runs these in the plain,
+// ASan and TSan trees):
+//   * options.memory_limit is a hard cap: peak_physical <= memory_limit with many threads
+//   * free memory is reclaimed before out-of-memory: after every free, limit - granularity fits
+//     without a trim()
+//   * a racing double free (with trim() beside it) is refused, never a use-after-free
+//   * class_stats() / stats() / check() while other threads allocate and free
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <array>
+#include <atomic>
+#include <barrier>
+#include <mutex>
+#include <chrono>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "vmmalloc/vmmalloc.hpp"
+
+using namespace vmm;
+
+namespace {
+constexpr std::size_t KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024;
+
+// Sanitized trees run several times slower: fewer rounds there, same assertions.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr int kScale = 1;
+#else
+constexpr int kScale = 4;
+#endif
+
+options limited(std::size_t limit) {
+  options o;
+  o.reservation_size = 4 * GiB;
+  o.memory_limit = limit;
+  return o;
+}
+
+// Sizes 64 B .. 64 MiB, log-uniform: every path (thread cache, slab, large, huge with a lowered
+// threshold) is taken.
+std::size_t random_size(std::mt19937_64& r) {
+  std::uniform_int_distribution<int> lg(6, 26);
+  const std::size_t hi = std::size_t{1} << lg(r);
+  return std::uniform_int_distribution<std::size_t>(hi / 2, hi)(r);
+}
+
+struct run_result {
+  std::atomic<std::uint64_t> ok{0}, oom{0}, other{0};
+  std::string other_message;
+  std::mutex mu;
+};
+
+// Each thread allocates and frees random sizes, keeping up to `keep` blocks live.
+void churn(allocator& a, int seed, int ops, std::size_t keep, run_result& res) {
+  std::mt19937_64 r(static_cast<std::uint64_t>(seed));
+  std::vector<void*> live;
+  for (int i = 0; i < ops; ++i) {
+    if (live.size() >= keep || (!live.empty() && r() % 3 == 0)) {
+      std::size_t k = r() % live.size();
+      a.deallocate(live[k]);
+      live[k] = live.back();
+      live.pop_back();
+      continue;
+    }
+    void* p = a.try_allocate(random_size(r));
+    if (p) {
+      live.push_back(p);
+      ++res.ok;
+    } else if (last_error().st.kind == errc::out_of_memory) {
+      ++res.oom;
+    } else {
+      ++res.other;
+      std::lock_guard g(res.mu);
+      res.other_message = last_error().message;
+    }
+  }
+  for (void* p : live) a.deallocate(p);
+}
+}  // namespace
+
+TEST_CASE("memory_limit is a hard cap: six threads of mixed sizes never exceed it") {
+  const std::size_t limit = 64 * MiB;
+  options o = limited(limit);
+  o.huge_threshold = 16 * MiB;
+  for (int round = 0; round < 2 * kScale; ++round) {
+    auto a = allocator::host(o);
+    run_result res;
+    std::vector<std::thread> ts;
+    for (int t = 0; t < 6; ++t) ts.emplace_back([&, t] { churn(a, round * 100 + t, 400, 6, res); });
+    for (auto& t : ts) t.join();
+    CAPTURE(round);
+    INFO("other failure: " << res.other_message);
+    CHECK(res.other == 0);   // every failure is out_of_memory
+    CHECK(res.ok > 0);
+    const auto s = a.stats();
+    CHECK(s.peak_physical <= limit);
+    CHECK(s.live == 0);
+    CHECK(a.check() == "");
+  }
+}
+
+TEST_CASE("pressure: after every free, limit - granularity fits without trim()") {
+  const std::size_t limit = 64 * MiB;
+  options o = limited(limit);
+  o.huge_threshold = 16 * MiB;
+  auto a = allocator::host(o);
+  run_result res;
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 6; ++t) ts.emplace_back([&, t] { churn(a, 1000 + t, 300 * kScale, 6, res); });
+  for (auto& t : ts) t.join();
+  REQUIRE(a.stats().live == 0);
+  // Memory stays mapped (empty slabs, free spans, idle handles): the request must reclaim it.
+  void* big = a.try_allocate(limit - a.granularity());
+  INFO("last error: " << last_error().message);
+  CHECK(big != nullptr);
+  if (big) a.deallocate(big);
+  CHECK(a.stats().peak_physical <= limit);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("pressure: a real out-of-memory names what is live, what is held and the limit") {
+  const std::size_t limit = 32 * MiB;
+  auto a = allocator::host(limited(limit));
+  void* p = a.allocate(20 * MiB);
+  CHECK(a.try_allocate(20 * MiB) == nullptr);
+  const auto& e = last_error();
+  CHECK(e.st.kind == errc::out_of_memory);
+  CHECK(e.message.find("live") != std::string::npos);
+  CHECK(e.message.find("held") != std::string::npos);
+  CHECK(e.message.find("limit") != std::string::npos);
+  try {
+    (void)a.allocate(20 * MiB);
+    FAIL("allocate past the limit did not throw");
+  } catch (const out_of_memory& x) {
+    CHECK(std::string(x.what()).find("limit") != std::string::npos);
+  }
+  a.deallocate(p);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("a racing double free beside trim() is refused, never a use-after-free") {
+  // Several threads free the same pointer while another trims. Half of the freers have a slot of
+  // another stream in their thread-cache bin for the class, so their free takes the locked path
+  // and gives the slot straight back to its slab; the slab is then empty and trim() destroys it,
+  // while the other freers may be on the lock-free path, reading its metadata and claiming the
+  // slot with a compare-exchange.
+  options o;
+  o.reservation_size = GiB;
+  o.thread_cache_slots = 2;  // the allocating thread caches one slot at a time: p is alone in its slab
+  const std::size_t size = 48 * KiB;
+  auto a = allocator::host(o);
+  const int rounds = 4000 * kScale, freers = 4;
+  const stream_t other = reinterpret_cast<stream_t>(std::uintptr_t{7});
+  std::atomic<void*> target{nullptr};
+  std::atomic<int> wins{0}, refusals{0}, bad{0};
+  std::barrier start(freers + 2), done(freers + 2);
+  std::vector<std::thread> ts;
+  for (int f = 0; f < freers; ++f)
+    ts.emplace_back([&, f] {
+      if (f % 2) a.deallocate(a.allocate(size, 0, other), other);  // bin holds `other`'s slot
+      for (int i = 0; i < rounds; ++i) {
+        start.arrive_and_wait();
+        status s = a.try_deallocate(target.load());
+        if (s.ok()) ++wins;
+        else if (s.kind == errc::invalid_pointer) ++refusals;
+        else ++bad;
+        done.arrive_and_wait();
+      }
+    });
+  ts.emplace_back([&] {
+    for (int i = 0; i < rounds; ++i) {
+      start.arrive_and_wait();
+      a.trim(0);
+      done.arrive_and_wait();
+    }
+  });
+  for (int i = 0; i < rounds; ++i) {
+    target = a.allocate(size);
+    start.arrive_and_wait();
+    done.arrive_and_wait();
+  }
+  for (auto& t : ts) t.join();
+  CHECK(bad == 0);
+  CHECK(wins == rounds);                   // exactly one free of each pointer succeeds
+  CHECK(refusals == rounds * (freers - 1));  // and every other one is refused
+  CHECK(a.check() == "");
+  CHECK(a.stats().live == 0);
+}
+
+TEST_CASE("stale frees beside trim() and slab turnover read only valid metadata") {
+  // One thread makes slabs appear and disappear (allocate a batch, free it, trim); another frees
+  // pointers from earlier batches again, over and over, on the lock-free path. Such a free must be
+  // refused (or, when the address was handed out again, free that block, as free(3) would); it must
+  // never read or write a slab that trim() destroyed.
+  options o;
+  o.reservation_size = GiB;
+  o.thread_cache_slots = 2;
+  auto a = allocator::host(o);
+  constexpr int kBatch = 64;
+  std::atomic<bool> stop{false};
+  std::array<std::atomic<std::uintptr_t>, kBatch> stale{};
+  std::atomic<std::uint64_t> attempts{0};
+  std::thread hammer([&] {
+    while (!stop.load(std::memory_order_relaxed))
+      for (auto& x : stale)
+        if (std::uintptr_t p = x.exchange(0)) {
+          status s = a.try_deallocate(reinterpret_cast<void*>(p));
+          CHECK((s.ok() || s.kind == errc::invalid_pointer));
+          ++attempts;
+        }
+  });
+  const int rounds = 300 * kScale;
+  for (int r = 0; r < rounds; ++r) {
+    std::vector<void*> batch;
+    for (int k = 0; k < kBatch; ++k) batch.push_back(a.allocate(32 * KiB + static_cast<std::size_t>(r % 3) * 8 * KiB));
+    for (int k = 0; k < kBatch; ++k) {
+      (void)a.try_deallocate(batch[k]);  // may already be freed by the hammer (address reuse)
+      stale[k].store(reinterpret_cast<std::uintptr_t>(batch[k]));
+    }
+    a.trim(0);
+  }
+  stop = true;
+  hammer.join();
+  CHECK(attempts > 0);
+  CHECK(a.check() == "");
+  CHECK(a.stats().live == 0);
+}
+
+TEST_CASE("class_stats(), stats() and check() while other threads allocate and free") {
+  options o;
+  o.reservation_size = GiB;
+  auto a = allocator::host(o);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 3; ++t)
+    ts.emplace_back([&, t] {
+      std::mt19937_64 r(static_cast<std::uint64_t>(t));
+      std::vector<void*> live;
+      while (!stop.load()) {
+        if (live.size() > 64 || (!live.empty() && r() % 2)) {
+          a.deallocate(live.back());
+          live.pop_back();
+        } else {
+          live.push_back(a.allocate(64 + r() % (32 * KiB)));
+        }
+      }
+      for (void* p : live) a.deallocate(p);
+    });
+  std::size_t seen = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(300 * kScale);
+  while (std::chrono::steady_clock::now() < end) {
+    for (const auto& c : a.class_stats()) {
+      CHECK(c.used_slots <= c.slots);
+      CHECK(c.cached_slots <= c.used_slots);
+      seen += c.slabs;
+    }
+    const auto s = a.stats();
+    CHECK(s.requested <= s.allocated);
+    CHECK(a.check() == "");
+  }
+  stop = true;
+  for (auto& t : ts) t.join();
+  CHECK(seen > 0);
+  CHECK(a.stats().live == 0);
+}

@@ -2,7 +2,7 @@
 // each, ns per event and how much memory it held against what was live.
 //
 //   vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE] [--check-every N]
-//                    [--warm] [--device N] [--samples N]
+//                    [--warm] [--device N] [--samples N]      (--help: every option)
 //
 // Method (same for every allocator):
 //  * The whole trace is parsed first (ADDR names -> dense slot ids), so the timed loop is vector
@@ -38,8 +38,11 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "peers.hpp"
 #include "timeline.hpp"
+#include "tool_cli.hpp"
 #include "trace.hpp"
 
 namespace {
@@ -58,65 +61,6 @@ struct cli {
   std::uint64_t samples = 0;  // 0: no timeline
 };
 
-[[noreturn]] void usage(const char* msg) {
-  if (msg && *msg) std::fprintf(stderr, "vmm-replay: %s\n", msg);
-  std::fprintf(stderr,
-               "usage: vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE]\n"
-               "                        [--check-every N] [--warm] [--device N] [--samples N]\n"
-               "  TRACE          trace file, plain text or .gz ('a|f ADDR SIZE STREAM' lines)\n"
-               "  --backend      vmmalloc's backend: host (memfd, default) or cuda (the GPU)\n"
-               "  --allocators   comma list of: vmmalloc, null, malloc%s%s\n"
-               "                 (default: vmmalloc,null; with --backend cuda also cudaMalloc,cudaMallocAsync)\n"
-               "  --json FILE    write the results as a JSON list\n"
-               "  --check-every  run vmmalloc's check() every N events (time excluded)\n"
-               "  --warm         replay once untimed before the timed pass (every allocator)\n"
-               "  --device N     CUDA device (default 0)\n"
-               "  --samples N    add a timeline of live/mapped/reserved bytes (at most N samples + the\n"
-               "                 peaks) per allocator to the JSON, for vmm-plot; from a separate untimed pass\n",
-               have_cuda_peers() ? ", cudaMalloc, cudaMallocAsync" : "",
-               have_torch_peer() ? ", torch" : "");
-  std::exit(2);
-}
-
-std::uint64_t parse_count(const char* s, const char* opt) {
-  char* end = nullptr;
-  errno = 0;
-  unsigned long long v = std::strtoull(s, &end, 10);
-  if (errno || !end || *end || end == s) usage((std::string("bad value for ") + opt + ": " + s).c_str());
-  return v;
-}
-
-cli parse_cli(int argc, char** argv) {
-  cli c;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&](const char* opt) -> const char* {
-      if (i + 1 >= argc) usage((std::string(opt) + " needs a value").c_str());
-      return argv[++i];
-    };
-    if (a == "-h" || a == "--help") usage("");
-    else if (a == "--backend") c.backend = value("--backend");
-    else if (a == "--allocators") c.allocators = value("--allocators");
-    else if (a == "--json") c.json = value("--json");
-    else if (a == "--check-every") c.check_every = parse_count(value("--check-every"), "--check-every");
-    else if (a == "--device") c.device = static_cast<int>(parse_count(value("--device"), "--device"));
-    else if (a == "--warm") c.warm = true;
-    else if (a == "--samples") {
-      c.samples = parse_count(value("--samples"), "--samples");
-      if (c.samples == 0) usage("--samples needs N >= 1");
-    }
-    else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
-    else if (c.trace_path.empty()) c.trace_path = a;
-    else usage(("unexpected argument " + a).c_str());
-  }
-  if (c.trace_path.empty()) usage("no trace given");
-  if (c.backend != "host" && c.backend != "cuda") usage("--backend is host or cuda");
-  if (c.samples && c.json.empty()) usage("--samples writes into the JSON: give --json FILE too");
-  if (c.allocators.empty())
-    c.allocators = c.backend == "cuda" ? "vmmalloc,cudaMalloc,cudaMallocAsync,null" : "vmmalloc,null";
-  return c;
-}
-
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> v;
   std::stringstream ss(s);
@@ -124,6 +68,42 @@ std::vector<std::string> split_list(const std::string& s) {
   while (std::getline(ss, x, ','))
     if (!x.empty()) v.push_back(x);
   return v;
+}
+
+const char* const known_allocators[] = {"vmmalloc", "null", "malloc", "cudaMalloc", "cudaMallocAsync", "torch"};
+
+cli parse_cli(int argc, char** argv) {
+  cli c;
+  CLI::App app{"Replays an allocation trace through several allocators in one run; prints, for each, ns per "
+               "event and the memory it held against what was live.",
+               "vmm-replay"};
+  app.add_option("TRACE", c.trace_path, "trace file, plain text or .gz (format: docs/trace-format.md)");
+  app.add_option("--backend", c.backend, "vmmalloc's backend: host (memfd, default) or cuda (the GPU)")
+      ->check(CLI::IsMember({"host", "cuda"}));
+  std::string peers = std::string("comma list of: vmmalloc, null, malloc") +
+                      (have_cuda_peers() ? ", cudaMalloc, cudaMallocAsync" : "") + (have_torch_peer() ? ", torch" : "") +
+                      " (default: vmmalloc,null; with --backend cuda also cudaMalloc,cudaMallocAsync)";
+  app.add_option("--allocators", c.allocators, peers)->type_name("LIST");
+  app.add_option("--json", c.json, "write the results as a JSON list")->type_name("FILE");
+  app.add_option("--check-every", c.check_every, "run vmmalloc's check() every N events (time excluded)")
+      ->type_name("N");
+  app.add_flag("--warm", c.warm, "replay once untimed before the timed pass (every allocator)");
+  app.add_option("--device", c.device, "CUDA device (default 0)")->type_name("N")->check(CLI::NonNegativeNumber);
+  app.add_option("--samples", c.samples,
+                 "add a timeline of live/mapped/reserved bytes (at most N samples + the peaks) per allocator to "
+                 "the JSON, for vmm-plot; from a separate untimed pass")
+      ->type_name("N");
+  vmm::tools::parse_or_exit(app, argc, argv);
+  if (c.trace_path.empty()) vmm::tools::usage_error(app, "no trace given");
+  if (app.count("--samples") && c.samples == 0) vmm::tools::usage_error(app, "--samples needs N >= 1");
+  if (c.samples && c.json.empty()) vmm::tools::usage_error(app, "--samples writes into the JSON: give --json FILE too");
+  if (c.allocators.empty())
+    c.allocators = c.backend == "cuda" ? "vmmalloc,cudaMalloc,cudaMallocAsync,null" : "vmmalloc,null";
+  for (const auto& n : split_list(c.allocators))
+    if (std::find(std::begin(known_allocators), std::end(known_allocators), n) == std::end(known_allocators))
+      vmm::tools::usage_error(app, "unknown allocator '" + n + "' in --allocators");
+  if (split_list(c.allocators).empty()) vmm::tools::usage_error(app, "--allocators is empty");
+  return c;
 }
 
 std::string mib(double b) {
@@ -356,73 +336,71 @@ struct row {
   double sample_seconds = 0;
 };
 
-std::string json_str(const std::string& s) {
-  std::string o = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') o += '\\', o += char(c);
-    else if (c < 0x20) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\u%04x", c);
-      o += b;
-    } else o += char(c);
-  }
-  return o + "\"";
+// JSON through nlohmann: ordered_json keeps the keys in the order documented in README.md.
+using ojson = nlohmann::ordered_json;
+
+// Counts stay integers in the JSON (extras are doubles in memory_report).
+ojson json_num(double v) {
+  if (v >= 0 && v < 1.8e19 && v == double(std::uint64_t(v))) return std::uint64_t(v);
+  return v;
 }
-std::string json_num(double v) {
-  char b[64];
-  if (v == double(std::uint64_t(v)) && v < 1e19) std::snprintf(b, sizeof b, "%" PRIu64, std::uint64_t(v));
-  else std::snprintf(b, sizeof b, "%.6g", v);
-  return b;
-}
-std::string json_opt(std::optional<std::uint64_t> v) { return v ? json_num(double(*v)) : "null"; }
+ojson json_opt(std::optional<std::uint64_t> v) { return v ? ojson(*v) : ojson(nullptr); }
 
 // "timeline": {...}: the shape vmm-plot reads (documented in README.md).
-void write_timeline(std::ostream& f, const timeline& tl, const row& r, const cli& c) {
-  auto arr = [&](const auto& v) {
-    if (v.empty()) return std::string("null");
-    std::string s = "[";
-    for (std::size_t i = 0; i < v.size(); ++i) (s += i ? "," : "") += std::to_string(v[i]);
-    return s + "]";
-  };
+ojson timeline_json(const timeline& tl, const row& r, const cli& c) {
+  auto arr = [](const auto& v) { return v.empty() ? ojson(nullptr) : ojson(v); };
   auto peak = [](const std::optional<series_peak>& p) {
-    return p ? "{\"event\": " + std::to_string(p->event) + ", \"bytes\": " + std::to_string(p->bytes) + "}"
-             : std::string("null");
+    return p ? ojson{{"event", p->event}, {"bytes", p->bytes}} : ojson(nullptr);
   };
-  f << ",\n   \"timeline\": {\"events\": " << tl.events << ", \"max_samples\": " << c.samples
-    << ", \"samples\": " << tl.event.size() << ", \"pass_seconds\": " << json_num(r.sample_seconds)
-    << ",\n    \"method\": "
-    << json_str("separate untimed pass on a fresh instance after the timed one; each sample is the maximum "
-                "over the events since the previous sample; each series' first peak event is a sample")
-    << ",\n    \"mapped_source\": " << (tl.mapped.empty() ? "null" : json_str(r.mem.mapped_source))
-    << ", \"reserved_source\": "
-    << (tl.reserved.empty() ? "null" : json_str(r.name == "vmmalloc" ? "stats().reserved (VA reserved at open)" : "peer"))
-    << ",\n    \"peaks\": {\"live\": " << peak(tl.peak_live) << ", \"mapped\": " << peak(tl.peak_mapped)
-    << ", \"reserved\": " << peak(tl.peak_reserved) << "},\n    \"event\": " << arr(tl.event)
-    << ",\n    \"live\": " << arr(tl.live) << ",\n    \"mapped\": " << arr(tl.mapped)
-    << ",\n    \"reserved\": " << arr(tl.reserved) << "}";
+  ojson o;
+  o["events"] = tl.events;
+  o["max_samples"] = c.samples;
+  o["samples"] = tl.event.size();
+  o["pass_seconds"] = r.sample_seconds;
+  o["method"] =
+      "separate untimed pass on a fresh instance after the timed one; each sample is the maximum over the events "
+      "since the previous sample; each series' first peak event is a sample";
+  o["mapped_source"] = tl.mapped.empty() ? ojson(nullptr) : ojson(r.mem.mapped_source);
+  o["reserved_source"] = tl.reserved.empty()
+                             ? ojson(nullptr)
+                             : ojson(r.name == "vmmalloc" ? "stats().reserved (VA reserved at open)" : "peer");
+  o["peaks"] = {{"live", peak(tl.peak_live)}, {"mapped", peak(tl.peak_mapped)}, {"reserved", peak(tl.peak_reserved)}};
+  o["event"] = arr(tl.event);
+  o["live"] = arr(tl.live);
+  o["mapped"] = arr(tl.mapped);
+  o["reserved"] = arr(tl.reserved);
+  return o;
 }
 
+// A list with one allocator per line (diffable; the timeline makes a line long).
 bool write_json(const std::string& path, const std::vector<row>& rows, const trace& t, const cli& c) {
   std::ofstream f(path);
   if (!f) return false;
   f << "[\n";
   for (std::size_t k = 0; k < rows.size(); ++k) {
     const row& r = rows[k];
-    f << "  {\"name\": " << json_str(r.name) << ", \"ns_per_op\": " << json_num(r.ns_per_op)
-      << ", \"peak_live_bytes\": " << json_num(double(t.peak_live_bytes))
-      << ", \"peak_mapped_bytes\": " << json_opt(r.mem.peak_mapped)
-      << ", \"peak_reserved_bytes\": " << json_opt(r.mem.peak_reserved)
-      << ", \"driver_calls\": " << json_opt(r.mem.driver_calls);
-    f << ", \"mapped_over_live\": "
-      << (r.mem.peak_mapped && t.peak_live_bytes ? json_num(double(*r.mem.peak_mapped) / double(t.peak_live_bytes))
-                                                 : "null");
-    f << ", \"peak_mapped_source\": " << json_str(r.mem.mapped_source) << ", \"backend\": " << json_str(r.backend)
-      << ", \"detail\": " << json_str(r.detail) << ", \"events\": " << r.events
-      << ", \"seconds\": " << json_num(r.seconds) << ", \"warm\": " << (c.warm ? "true" : "false")
-      << ", \"checks\": " << r.checks << ", \"trace\": " << json_str(t.source);
-    for (auto& [key, v] : r.mem.extra) f << ", " << json_str(key) << ": " << json_num(v);
-    if (r.tl) write_timeline(f, *r.tl, r, c);
-    f << "}" << (k + 1 < rows.size() ? "," : "") << "\n";
+    ojson o;
+    o["name"] = r.name;
+    o["ns_per_op"] = r.ns_per_op;
+    o["peak_live_bytes"] = t.peak_live_bytes;
+    o["peak_mapped_bytes"] = json_opt(r.mem.peak_mapped);
+    o["peak_reserved_bytes"] = json_opt(r.mem.peak_reserved);
+    o["driver_calls"] = json_opt(r.mem.driver_calls);
+    o["mapped_over_live"] = r.mem.peak_mapped && t.peak_live_bytes
+                                ? ojson(double(*r.mem.peak_mapped) / double(t.peak_live_bytes))
+                                : ojson(nullptr);
+    o["peak_mapped_source"] = r.mem.mapped_source;
+    o["backend"] = r.backend;
+    o["detail"] = r.detail;
+    o["events"] = r.events;
+    o["seconds"] = r.seconds;
+    o["warm"] = c.warm;
+    o["checks"] = r.checks;
+    o["trace"] = t.source;
+    for (auto& [key, v] : r.mem.extra) o[key] = json_num(v);
+    if (r.tl) o["timeline"] = timeline_json(*r.tl, r, c);
+    // Paths and driver messages are not guaranteed UTF-8: replace invalid bytes rather than throw.
+    f << "  " << o.dump(-1, ' ', false, ojson::error_handler_t::replace) << (k + 1 < rows.size() ? "," : "") << "\n";
   }
   f << "]\n";
   return bool(f);
@@ -468,7 +446,7 @@ std::unique_ptr<peer> make_by_name(const std::string& name, const cli& c) {
     if (name == "cudaMallocAsync") return make_cuda_malloc_async(c.device);
     return make_torch(c.device);
   }
-  usage(("unknown allocator '" + name + "'").c_str());
+  throw std::runtime_error("unknown allocator '" + name + "'");  // parse_cli checked the names
 }
 
 }  // namespace
@@ -476,11 +454,6 @@ std::unique_ptr<peer> make_by_name(const std::string& name, const cli& c) {
 int main(int argc, char** argv) {
   cli c = parse_cli(argc, argv);
   auto names = split_list(c.allocators);
-  if (names.empty()) usage("--allocators is empty");
-  for (auto& n : names)
-    if (n != "vmmalloc" && n != "null" && n != "malloc" && n != "cudaMalloc" && n != "cudaMallocAsync" &&
-        n != "torch")
-      usage(("unknown allocator '" + n + "'").c_str());
 
   // The host backend holds one memfd per chunk: allow as many descriptors as the hard limit does.
   if (rlimit rl{}; getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {

@@ -18,6 +18,10 @@
 #include <utility>
 #include <vector>
 
+namespace vmm {
+class host_backend;
+}
+
 namespace vmm::replay {
 
 // What a peer can say about its memory after a run. nullopt = not observable: printed "n/a",
@@ -68,6 +72,11 @@ class peer {
   virtual bool copy(void* dst, const void* src, std::size_t n) noexcept;
   virtual bool fill(void* p, int byte, std::size_t n) noexcept;
   virtual bool is_device() const { return false; }
+  // Frees are stream-ordered (never synchronize the device), so a stream held back by --lag only
+  // delays reuse. cudaMalloc's cudaFree synchronizes: a lag would stall it, so it says false.
+  virtual bool stream_ordered() const { return false; }
+  // vmmalloc over the host backend: the backend, for its test controls (--lag holds streams).
+  virtual vmm::host_backend* host_backend() noexcept { return nullptr; }
   // Gives cached free memory back (trim, pool trim) so the next workload starts cold.
   virtual void release_cached() noexcept {}
 

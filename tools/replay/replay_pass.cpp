@@ -243,14 +243,6 @@ struct alignas(64) turn_slot {
   std::atomic<std::uint64_t> go{kNotYet};
 };
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 class pass {
  public:
   pass(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr, const pass_opts& o)
@@ -336,78 +328,80 @@ class pass {
     return ok;
   }
 
+  // What the measured loop reads, copied into locals by each loop: kept in registers across the
+  // peer's virtual calls, where members would be reloaded from `this` after every call (~1 ns an
+  // event on the null peer).
+  struct hot {
+    peer* a;
+    const event* ev;
+    void** slot;
+    void* const* str;
+    gpu_lag* lag;
+  };
+  hot hot_state() const { return {&a_, ev_, slot_, str_, o_.lag}; }
+
   // Event i: the measured work (one virtual call), plus the lag's and the hook's when enabled.
+  // Always inlined: a call per event would cost as much as the null peer's whole event.
   template <bool Lag, bool Hook>
-  bool step(std::size_t i) {
-    const event& e = ev_[i];
-    if constexpr (Lag) o_.lag->before_event(i, e.stream);
+  [[gnu::always_inline]] bool step(const hot h, std::size_t i) {
+    const event& e = h.ev[i];
+    if constexpr (Lag) h.lag->before_event(i, e.stream);
     if (e.kind == op::alloc) {
-      void* p = a_.allocate(e.size, str_[e.stream]);
-      if (!p) [[unlikely]] {
-        r_.exit_code = 3;
-        r_.failure = "allocation failed at event " + std::to_string(i) + " (" + event_text(t_, i) +
-                     "; live before it: " + mib(double(i ? t_.live_after[i - 1] : 0)) + "): " + peer::error();
-        return false;
-      }
-      slot_[e.id] = p;
-    } else if (!a_.deallocate(slot_[e.id], e.size, str_[e.stream])) [[unlikely]] {
-      r_.exit_code = 3;
-      r_.failure = "free failed at event " + std::to_string(i) + " (" + event_text(t_, i) + "): " + peer::error();
-      return false;
+      void* p = h.a->allocate(e.size, h.str[e.stream]);
+      if (!p) [[unlikely]]
+        return failed_event(i);
+      h.slot[e.id] = p;
+    } else if (!h.a->deallocate(h.slot[e.id], e.size, h.str[e.stream])) [[unlikely]] {
+      return failed_event(i);
     }
     if constexpr (Hook) {
       auto p0 = clk::now();
       std::string why = o_.after_event(i);
       r_.paused += std::chrono::duration<double>(clk::now() - p0).count();
-      if (!why.empty()) {
-        r_.exit_code = 4;
-        r_.failure = std::move(why);
-        return false;
-      }
+      if (!why.empty()) return failed(4, std::move(why));
     }
     return true;
+  }
+  [[gnu::cold, gnu::noinline]] bool failed_event(std::size_t i) {
+    if (t_.events[i].kind == op::alloc)
+      return failed(3, "allocation failed at event " + std::to_string(i) + " (" + event_text(t_, i) +
+                           "; live before it: " + mib(double(i ? t_.live_after[i - 1] : 0)) + "): " + peer::error());
+    return failed(3, "free failed at event " + std::to_string(i) + " (" + event_text(t_, i) + "): " + peer::error());
+  }
+  [[gnu::cold, gnu::noinline]] bool failed(int code, std::string why) {
+    r_.exit_code = code;
+    r_.failure = std::move(why);
+    return false;
   }
 
   // One thread: runs of events between stops, the stop bookkeeping out of the inner loop.
   template <bool Lag, bool Hook>
   void single() {
+    const hot h = hot_state();
     std::size_t i = 0;
     for (;;) {
       const std::size_t stop = next_stop_;
       for (; i < stop; ++i)
-        if (!step<Lag, Hook>(i)) return;
+        if (!step<Lag, Hook>(h, i)) return;
       if (!at_stop(i) || i == n_) return;
     }
   }
 
   // ---- several threads: the turn hand-off ----
 
-  // Waits until event i is this thread's turn (false: the pass was aborted). Three stages, each
-  // cheaper for the machine and slower to react than the one before:
-  //  1. spin on the word (cpu pause), only when the replay threads fit in half the cores: a
-  //     hand-off then costs a cache-line transfer (~0.1-0.2 us);
-  //  2. sched_yield up to 1000 times: where threads outnumber cores (2 cores here, 4 threads) the
-  //     turn holder needs a core, and a yield hands it over at once (~2 us a hand-off measured here,
-  //     against ~15 us for a futex sleep and wake);
-  //  3. sleep in std::atomic::wait (futex), woken by pass_turn's notify_one.
+  // Waits until event i is this thread's turn (false: the pass was aborted): polls the word with
+  // sched_yield in between, up to 1000 times, then sleeps in std::atomic::wait (futex), woken by
+  // pass_turn's notify_one. Measured (null work, runs of 8 events): a yield poll hands the turn on
+  // in ~0.35-0.45 us with 2-8 threads on an idle 16-core host, where spinning with pause was no
+  // faster, and in ~2 us on a loaded 2-core one (4 threads), where spinning steals the turn
+  // holder's core and a futex sleep/wake costs ~15 us.
   bool wait_turn(turn_slot& me, std::uint64_t i) {
-    auto check = [&](std::uint64_t v, bool& ok) {
-      ok = v == i;
-      return v == i || v == kAbort;
-    };
-    bool ok = false;
-    for (int k = 0; k < spins_; ++k) {
-      if (check(me.go.load(std::memory_order_acquire), ok)) return ok;
-      cpu_relax();
-    }
-    for (int k = 0; k < 1000; ++k) {
-      if (check(me.go.load(std::memory_order_acquire), ok)) return ok;
-      std::this_thread::yield();
-    }
-    for (;;) {
+    for (int k = 0;; ++k) {
       std::uint64_t v = me.go.load(std::memory_order_acquire);
-      if (check(v, ok)) return ok;
-      me.go.wait(v, std::memory_order_acquire);
+      if (v == i) return true;
+      if (v == kAbort) return false;
+      if (k < 1000) std::this_thread::yield();
+      else me.go.wait(v, std::memory_order_acquire);
     }
   }
   void pass_turn(std::size_t i) {
@@ -426,12 +420,13 @@ class pass {
   void worker(std::size_t k) {
     const std::vector<std::uint32_t>& mine = o_.sched->events_of[k];
     turn_slot& me = slots_[k];
+    const hot h = hot_state();
     for (std::size_t j = 0; j < mine.size(); ++j) {
       const std::size_t i = mine[j];
       // The previous event was another thread's: wait until it has returned.
       if ((j == 0 || mine[j - 1] + 1 != i) && !wait_turn(me, i)) return;
       if (i == next_stop_ && !at_stop(i)) return abort_all();
-      if (!step<Lag, Hook>(i)) return abort_all();
+      if (!step<Lag, Hook>(h, i)) return abort_all();
       if (i + 1 == n_) {
         at_stop(n_);
         return;
@@ -443,7 +438,6 @@ class pass {
   void threaded(clk::time_point& t0, bool lag, bool hook) {
     nslots_ = o_.sched->threads;
     slots_ = std::make_unique<turn_slot[]>(nslots_);
-    spins_ = nslots_ <= std::thread::hardware_concurrency() / 2 ? 2000 : 0;
     std::vector<std::thread> th;
     th.reserve(nslots_);
     std::atomic<std::size_t> ready{0};
@@ -474,7 +468,6 @@ class pass {
   pass_result r_;
   std::unique_ptr<turn_slot[]> slots_;
   std::size_t nslots_ = 0;
-  int spins_ = 0;  // stage 1 of wait_turn
 };
 
 }  // namespace

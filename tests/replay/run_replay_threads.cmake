@@ -66,6 +66,13 @@ if(NOT peak EQUAL 10489856)
   message(FATAL_ERROR "timeline live peak ${peak}, want 10489856")
 endif()
 
+# vmm-plot reads v2 traces too: the live series and its peak.
+execute_process(COMMAND ${PLOT} ${SRC}/threads-trace.txt -o ${WORK}/threads.svg RESULT_VARIABLE rc ERROR_VARIABLE err)
+file(READ ${WORK}/threads.svg svg)
+if(NOT rc EQUAL 0 OR NOT svg MATCHES "data-kind=\"live\" data-peak-bytes=\"10489856\" data-peak-event=\"4\"")
+  message(FATAL_ERROR "vmm-plot on a v2 trace: exit ${rc} ${err}")
+endif()
+
 # Bad values are usage errors.
 execute_process(COMMAND ${REPLAY} ${SRC}/threads-trace.txt --threads two RESULT_VARIABLE rc ERROR_VARIABLE err)
 if(NOT rc EQUAL 2 OR NOT err MATCHES "--threads")

@@ -92,7 +92,8 @@ class peer {
 std::unique_ptr<peer> make_vmmalloc_host(std::size_t physical_limit = std::size_t{256} << 30);
 // vmmalloc over the CUDA driver (loaded at run time). Throws vmm::error without a driver.
 std::unique_ptr<peer> make_vmmalloc_cuda(int device = 0);
-// Fake increasing addresses, nothing else: measures the harness. Single-threaded only.
+// Fake increasing addresses, nothing else: measures the harness. One call at a time (a threaded
+// replay's turns order the calls, so it measures the hand-offs too).
 std::unique_ptr<peer> make_null();
 // glibc malloc/free: the host reference (16 B alignment, not 256).
 std::unique_ptr<peer> make_malloc();

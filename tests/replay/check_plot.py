@@ -109,7 +109,7 @@ def check_labels_apart(root, what):
 def main():
     plot, replay, trace, work = sys.argv[1:5]
     os.makedirs(work, exist_ok=True)
-    for stale in ("x.svg", "trace.svg", "replay.svg", "replay-samples.json"):
+    for stale in ("x.svg", "trace.svg", "replay.svg", "unicode.svg", "replay-samples.json"):
         if os.path.exists(os.path.join(work, stale)):
             os.remove(os.path.join(work, stale))
     live = trace_live(trace)
@@ -173,6 +173,22 @@ def main():
     legend = " ".join(t.text or "" for t in root.iter("{%s}text" % NS["s"]))
     check("off scale" in legend and "512 GiB" in legend, "legend states the off-scale reserved value")
     check_labels_apart(root, "replay plot")
+
+    # 3b. Non-ASCII names: Python writes them as \u escapes (a surrogate pair for the emoji); the
+    # SVG must carry them back as the same characters.
+    uni = os.path.join(work, "replay-unicode.json")
+    name = "caf\u00e9 \U0001F600"
+    rows_u = json.load(open(js))
+    for r in rows_u:
+        if r["name"] == "vmmalloc":
+            r["name"] = name
+    text = json.dumps(rows_u)  # ensure_ascii: \u00e9, \ud83d\ude00
+    check("\\ud83d\\ude00" in text, "the test JSON holds the emoji as a surrogate pair")
+    open(uni, "w").write(text)
+    svg3 = os.path.join(work, "unicode.svg")
+    run([plot, uni, "-o", svg3])
+    got = series_of(ET.parse(svg3).getroot())
+    check((name, "mapped") in got, f"non-ASCII allocator name round-trips into the SVG ({set(got)})")
 
     # 4. errors
     plain = os.path.join(work, "replay-plain.json")

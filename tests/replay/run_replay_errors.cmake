@@ -25,3 +25,13 @@ execute_process(COMMAND ${REPLAY} ${SRC}/bad-trace.txt --allocators nosuch
 if(NOT rc EQUAL 2)
   message(FATAL_ERROR "unknown allocator: exit ${rc}, want 2")
 endif()
+
+# --help prints every option on stdout and exits 0; an unknown option exits 2 and names it.
+execute_process(COMMAND ${REPLAY} --help RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "--allocators" OR NOT out MATCHES "--samples")
+  message(FATAL_ERROR "--help: exit ${rc}, want 0 and the options on stdout: ${out}${err}")
+endif()
+execute_process(COMMAND ${REPLAY} ${SRC}/bad-trace.txt --nosuch RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "--nosuch")
+  message(FATAL_ERROR "unknown option: exit ${rc}, want 2 naming it: ${err}")
+endif()

@@ -1,5 +1,5 @@
 // The timeline cut (tools/replay/timeline.hpp) used by vmm-replay --samples and vmm-plot, and
-// vmm-plot's JSON reader (tools/plot/json.hpp).
+// vmm-plot's reader of vmm-replay's JSON (tools/plot/replay_json.hpp, over nlohmann-json).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -7,7 +7,9 @@
 #include <random>
 #include <vector>
 
-#include "json.hpp"
+#include <nlohmann/json.hpp>
+
+#include "replay_json.hpp"
 #include "timeline.hpp"
 
 using namespace vmm::replay;
@@ -91,36 +93,81 @@ TEST_CASE("timeline: bad arguments are rejected") {
   CHECK(make_timeline({}, {}, {}, 5).event.empty());
 }
 
-TEST_CASE("plot json reader: values, nesting, errors with positions") {
-  using namespace vmm::plot;
-  jvalue v = json_reader(R"( [{"name": "vmmalloc", "n": 8162115584, "x": -1.5e3, "ok": true, "none": null,
-                               "s": "a\"b\\c\u0041", "arr": [1, [2, {}], []]}] )")
-                 .parse();
-  REQUIRE(v.kind == jvalue::array);
-  REQUIRE(v.arr.size() == 1);
-  const jvalue& o = v.arr[0];
-  CHECK(o.get("name")->str == "vmmalloc");
-  CHECK(o.get("n")->num == 8162115584.0);
-  CHECK(o.get("x")->num == -1500.0);
-  CHECK(o.get("ok")->b);
-  CHECK(o.get("none")->is_null());
-  CHECK(o.get("s")->str == "a\"b\\cA");
-  CHECK(o.get("arr")->arr[1].arr[1].kind == jvalue::object);
-  CHECK(o.get("missing") == nullptr);
+namespace {
+// The message read_replay_json throws for TEXT ("" when it does not throw).
+std::string reader_error(const std::string& text) {
+  try {
+    (void)vmm::plot::read_replay_json(text, "r.json");
+  } catch (const vmm::plot::input_error& e) {
+    return e.what();
+  }
+  return {};
+}
+}  // namespace
 
-  auto error_of = [](const char* text) {
-    try {
-      (void)json_reader(text).parse();
-    } catch (const json_error& e) {
-      return std::string(e.what());
-    }
-    return std::string();
-  };
-  CHECK(error_of("[1, 2,\n  x]") == "line 2, column 3: unexpected character 'x'");
-  CHECK(error_of("{\"a\" 1}").find("expected ':'") != std::string::npos);
-  CHECK(error_of("[1] 2").find("unexpected text after") != std::string::npos);
-  CHECK(error_of("\"abc").find("unterminated string") != std::string::npos);
-  CHECK(error_of("[1.2.3]").find("bad number") != std::string::npos);
-  CHECK(error_of("").find("unexpected end") != std::string::npos);
-  CHECK(error_of(std::string(100, '[').c_str()).find("nested more than 64") != std::string::npos);
+TEST_CASE("plot json reader: a vmm-replay result, byte counts exact, null series, recorded peaks") {
+  using namespace vmm::plot;
+  auto rows = read_replay_json(R"J([{"name": "vmmalloc", "backend": "host", "trace": "t.gz", "ns_per_op": 1.5e1,
+      "timeline": {"events": 10, "event": [2, 5, 9], "live": [8162115584, 4, 0], "mapped": [8162115584, 9, 1],
+                   "reserved": null, "mapped_source": "stats()",
+                   "peaks": {"live": {"event": 1, "bytes": 8162115584}, "mapped": null}}},
+    {"name": "null", "timeline": {"events": 10, "event": [9], "live": [0]}}])J",
+                               "r.json");
+  REQUIRE(rows.size() == 2);
+  const replay_row& v = rows[0];
+  CHECK(v.name == "vmmalloc");
+  CHECK(v.backend == "host");
+  CHECK(v.trace == "t.gz");
+  CHECK(v.events == 10);
+  CHECK(v.event == std::vector<double>{2, 5, 9});
+  CHECK(v.live.y[0] == 8162115584.0);
+  CHECK(v.live.peak_event == 1);  // as recorded, not the largest sample's event (2)
+  REQUIRE(v.mapped);
+  CHECK(v.mapped->source == "stats()");
+  CHECK(v.mapped->peak_event == 2);  // no recorded peak: the largest sample
+  CHECK(v.mapped->peak_bytes == 8162115584.0);
+  CHECK_FALSE(v.reserved);
+  CHECK(rows[1].name == "null");
+  CHECK_FALSE(rows[1].mapped);
+}
+
+TEST_CASE("plot json reader: \\u escapes outside ASCII (surrogate pairs too) round-trip as UTF-8") {
+  using namespace vmm::plot;
+  const std::string want = "caf\xc3\xa9 \xf0\x9f\x98\x80";  // "café 😀"
+  auto tl = std::string(R"("timeline": {"events": 2, "event": [1], "live": [3]})");
+  auto rows = read_replay_json(R"([{"name": "caf\u00e9 \ud83d\ude00", "backend": "\u00e9", )" + tl + "}]", "r.json");
+  REQUIRE(rows.size() == 1);
+  CHECK(rows[0].name == want);
+  CHECK(rows[0].backend == "\xc3\xa9");
+  // What vmm-replay writes (nlohmann's dump: UTF-8 as is) reads back unchanged, and so does the
+  // ASCII-only form (every non-ASCII character as \u escapes).
+  nlohmann::json j = nlohmann::json::array(
+      {{{"name", want}, {"timeline", {{"events", 2}, {"event", {1}}, {"live", {3}}}}}});
+  CHECK(read_replay_json(j.dump(), "r.json")[0].name == want);
+  std::string ascii = j.dump(-1, ' ', /*ensure_ascii=*/true);
+  CHECK(ascii.find("\\u00e9") != std::string::npos);
+  CHECK(ascii.find("\\ud83d\\ude00") != std::string::npos);
+  CHECK(read_replay_json(ascii, "r.json")[0].name == want);
+  // A lone surrogate is not a character: refused, with its position.
+  CHECK(reader_error(R"([{"name": "\ud83d x"}])").find("r.json: not valid JSON: line 1, column") == 0);
+}
+
+TEST_CASE("plot json reader: malformed JSON and wrong shapes say where") {
+  CHECK(reader_error("[1, 2,\n  x]").find("r.json: not valid JSON: line 2, column ") == 0);
+  CHECK(reader_error("{\"a\" 1}").find("not valid JSON: line 1") != std::string::npos);
+  CHECK(reader_error("[1] 2").find("not valid JSON") != std::string::npos);
+  CHECK(reader_error("\"abc").find("not valid JSON") != std::string::npos);
+  CHECK(reader_error("").find("not valid JSON") != std::string::npos);
+  // Deep nesting is an error, not a stack overflow (nlohmann parses without recursion).
+  CHECK(reader_error(std::string(200000, '[')).find("not valid JSON") != std::string::npos);
+  CHECK(reader_error("[]").find("found no entries") != std::string::npos);
+  CHECK(reader_error("[{\"x\": 1}]").find("entry 0 is not a vmm-replay result") != std::string::npos);
+  CHECK(reader_error("[{\"name\": \"a\"}]").find("r.json: a has no timeline: write the JSON with vmm-replay --samples") == 0);
+  CHECK(reader_error(R"([{"name": "a", "timeline": {"events": 5, "event": [1, 1], "live": [1, 1]}}])")
+            .find("increasing event indices") != std::string::npos);
+  CHECK(reader_error(R"([{"name": "a", "timeline": {"events": 5, "event": [1, 2], "live": [1]}}])")
+            .find("timeline.live has 1 values, timeline.event has 2") != std::string::npos);
+  CHECK(reader_error(R"([{"name": "a", "timeline": {"events": 5, "event": [1], "live": [-1]}}])")
+            .find("not a byte count") != std::string::npos);
+  CHECK(reader_error(R"([{"name": "a", "timeline": {"events": 5, "event": [1], "live": [1]}}])").empty());
 }

@@ -1,5 +1,5 @@
-// The trace parser (tools/replay/trace.hpp): line numbers in errors, .gz and plain input, and
-// ADDR names reused after a free mapping to the right block.
+// The trace parser (tools/replay/trace.hpp): v1 and v2 (docs/trace-format.md), line numbers in
+// errors, .gz and plain input, and ADDR names reused after a free mapping to the right block.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -145,6 +145,77 @@ TEST_CASE("blank lines, comments, CRLF, 0x prefixes and several streams are acce
   CHECK(t.stream_ids[1] == 0x7f00);
   CHECK(t.events[2].stream == 1);
   CHECK(t.lines_read == 5);
+}
+
+TEST_CASE("v1: one thread, no times; a v1 header is accepted") {
+  trace t = parse_text(kSample);
+  CHECK(t.version == 1);
+  CHECK(t.thread_ids == std::vector<std::uint64_t>{0});
+  CHECK(t.thread == std::vector<std::uint16_t>(5, 0));
+  CHECK(t.time_ns.empty());
+  CHECK(t.cross_thread_frees == 0);
+  trace h = parse_text(std::string("# vmmalloc-trace v1\n") + kSample);
+  CHECK(h.version == 1);
+  check_sample(h);
+}
+
+const char* kV2 =
+    "# vmmalloc-trace v2 pid=4242 clock=steady\n"
+    "a 7f0000000000 1000 0 101 0\n"
+    "a 7f0000100000 50 0x7f00 0x66 1500\n"        // thread 102 (hex), stream 0x7f00
+    "f 7f0000000000 1000 0 102 1500\n"            // freed by the other thread, same TIME is fine
+    "# a comment between events\n"
+    "a 7f0000000000 300 0x7f00 101 2000000\n"
+    "f 7f0000100000 50 0 101 9000000000000\n";  // freed on another stream
+
+TEST_CASE("v2: header, THREAD and TIME per event, the v1 fields unchanged") {
+  trace t = parse_text(kV2);
+  CHECK(t.version == 2);
+  check_sample(t);  // the same five events as kSample
+  CHECK(t.thread_ids == std::vector<std::uint64_t>{101, 102});
+  CHECK(t.thread == std::vector<std::uint16_t>{0, 1, 1, 0, 0});
+  CHECK(t.time_ns == std::vector<std::uint64_t>{0, 1500, 1500, 2000000, 9000000000000});
+  CHECK(t.stream_ids == std::vector<std::uint64_t>{0, 0x7f00});
+  CHECK(t.events[1].stream == 1);
+  CHECK(t.lines == std::vector<std::uint32_t>{2, 3, 4, 6, 7});
+  CHECK(t.cross_thread_frees == 2);  // line 4 (101 -> 102) and line 7 (102 -> 101)
+  CHECK(t.cross_stream_frees == 1);  // line 7 (0x7f00 -> 0)
+}
+
+TEST_CASE("v2: malformed lines give their line number and say what is wrong") {
+  const std::string h = "# vmmalloc-trace v2\n";
+  // Missing or extra fields name the v2 layout.
+  CHECK(error_of(h + "a 10 100 0\n") == "t.txt:2: missing fields (expected 'a ADDR SIZE STREAM THREAD TIME' in a v2 trace)");
+  CHECK(error_of(h + "a 10 100 0 1 2 3\n").find("t.txt:2: extra fields") == 0);
+  // Bad THREAD, bad TIME (decimal only), TIME going backwards (names the earlier line).
+  CHECK(error_of(h + "a 10 100 0 x1 5\n") == "t.txt:2: bad THREAD 'x1' (decimal, or hex with 0x)");
+  CHECK(error_of(h + "a 10 100 0 1 0x10\n") == "t.txt:2: bad TIME '0x10' (decimal ns since the trace started)");
+  CHECK(error_of(h + "a 10 100 0 1 -1\n").find("t.txt:2: bad TIME") == 0);
+  CHECK(error_of(h + "a 10 100 0 1 500\n\na 20 100 0 2 499\n") ==
+        "t.txt:4: TIME 499 is before the previous event's (500 at line 2): lines must be in the order the events happened");
+  // The v1 checks still apply, with v2's line numbers.
+  CHECK(bad_line(h + "a 10 100 0 1 5\nf 10 99 0 2 6\n") == 3);
+  CHECK(bad_line(h + "a 10 100 0 1 5\nf 20 100 0 2 6\n") == 3);
+  // The header: only on line 1, with a known version.
+  CHECK(error_of("a 10 100 0\n# vmmalloc-trace v2\n").find("t.txt:2: the version header") == 0);
+  CHECK(error_of("\n# vmmalloc-trace v2\n").find("t.txt:2: the version header") == 0);
+  CHECK(error_of("# vmmalloc-trace v3\n") == "t.txt:1: unsupported trace version 'v3' (this parser reads v1 and v2)");
+  CHECK(error_of("# vmmalloc-trace\n").find("t.txt:1: version header without a version") == 0);
+  // A v2 line in a file without the header: the message says how to mark a v2 trace.
+  CHECK(error_of("a 10 100 0 1 5\n").find("'# vmmalloc-trace v2'") != std::string::npos);
+  // Comments that merely look similar are comments.
+  CHECK(parse_text("# vmmalloc-trace-tools v9\na 10 100 0\n").version == 1);
+}
+
+TEST_CASE("v2: many threads map to dense indices in order of first appearance") {
+  std::string text = "# vmmalloc-trace v2\n";
+  for (int i = 0; i < 300; ++i)
+    text += "a " + std::to_string(0x1000 + i) + " 8 0 " + std::to_string(1000 - i) + " " + std::to_string(i) + "\n";
+  trace t = parse_text(text);
+  REQUIRE(t.thread_ids.size() == 300);
+  CHECK(t.thread_ids[0] == 1000);
+  CHECK(t.thread_ids[299] == 701);
+  CHECK(t.thread[299] == 299);
 }
 
 TEST_CASE("plain files parse; a missing file is an error without a line number") {

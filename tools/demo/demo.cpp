@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "peers.hpp"
+#include "tool_cli.hpp"
 
 namespace {
 
@@ -190,7 +191,13 @@ result_row run_growth(peer& a, bool alloc_only, int reps) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // No options: CLI11 gives --help (exit 0) and refuses anything else (exit 2) instead of
+  // silently running a demo the caller did not ask for.
+  CLI::App app{"vmmalloc vs cudaMalloc / cudaMallocAsync on a GPU, vs glibc malloc on the host (host backend): "
+               "a few workload shapes, one table, well under 30 s.",
+               "vmm-demo"};
+  vmm::tools::parse_or_exit(app, argc, argv);
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   auto start = clk::now();
 

@@ -1,7 +1,7 @@
 // vmm-info: what this machine offers vmmalloc. Per CUDA device: name, memory, VMM-related
 // attributes, allocation granularities for the property sets vmmalloc uses, and peer access.
 // Without a usable driver/device it says why and describes the host backend instead.
-// `vmm-info --json` prints the same facts as one JSON object. Always exits 0.
+// `vmm-info --json` prints the same facts as one JSON object. Exits 0 (2 for an unknown option).
 //
 // Read-only: it queries attributes and granularities, never allocates (no cuMemCreate, and
 // never cuMulticastCreate: multicast support is reported from the attribute alone).
@@ -14,6 +14,10 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tool_cli.hpp"
 
 namespace {
 
@@ -176,87 +180,65 @@ void print_text(const report& r) {
 }
 
 // ---- JSON --------------------------------------------------------------------------------------
+// ordered_json: keys in the order the text report uses (nlohmann's default sorts them).
 
-std::string jstr(const std::string& s) {
-  std::string o = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': o += "\\\""; break;
-      case '\\': o += "\\\\"; break;
-      case '\n': o += "\\n"; break;
-      case '\r': o += "\\r"; break;
-      case '\t': o += "\\t"; break;
-      default:
-        if (c < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          o += buf;
-        } else {
-          o += static_cast<char>(c);  // UTF-8 passes through
-        }
-    }
-  }
-  return o + "\"";
-}
+using ojson = nlohmann::ordered_json;
 
-std::string jflag(int f) { return f < 0 ? "null" : (f ? "true" : "false"); }
+ojson jflag(int f) { return f < 0 ? ojson(nullptr) : ojson(f != 0); }
 
-std::string jgran(const result<granularity_info>& g) {
-  if (!g.ok()) return "{\"error\": " + jstr(g.st.name) + "}";
-  return "{\"minimum\": " + std::to_string(g.value.minimum) +
-         ", \"recommended\": " + std::to_string(g.value.recommended) + "}";
+ojson jgran(const result<granularity_info>& g) {
+  if (!g.ok()) return {{"error", g.st.name}};
+  return {{"minimum", g.value.minimum}, {"recommended", g.value.recommended}};
 }
 
 void print_json(const report& r) {
-  std::string o = "{\"cuda\": {\"available\": ";
-  o += r.available ? "true" : "false";
-  o += ", \"message\": " + jstr(r.message);
-  o += ", \"driver_version\": " + std::to_string(r.driver_version) + ", \"devices\": [";
-  for (std::size_t i = 0; i < r.devices.size(); ++i) {
-    const device_report& d = r.devices[i];
-    if (i) o += ", ";
-    o += "{\"index\": " + std::to_string(d.index) + ", \"name\": " + jstr(d.name);
-    o += ", \"usable\": ";
-    o += d.usable ? "true" : "false";
-    o += ", \"message\": " + jstr(d.message);
-    if (d.mem.ok())
-      o += ", \"memory\": {\"total\": " + std::to_string(d.mem.value.total) +
-           ", \"free\": " + std::to_string(d.mem.value.free) + "}";
-    else
-      o += ", \"memory\": {\"error\": " + jstr(d.mem.st.name) + "}";
-    o += ", \"vmm\": " + jflag(d.vmm) + ", \"posix_fd\": " + jflag(d.posix_fd) +
-         ", \"fabric\": " + jflag(d.fabric) + ", \"generic_compression\": " + jflag(d.compression) +
-         ", \"gpu_direct_rdma_with_vmm\": " + jflag(d.rdma_vmm) +
-         ", \"multicast\": " + jflag(d.multicast) + ", \"granularity\": {";
-    for (std::size_t k = 0; k < d.gran.size(); ++k)
-      o += (k ? ", " : "") + jstr(d.gran[k].key) + ": " + jgran(d.gran[k].g);
-    o += "}, \"peer_access\": [";
-    for (std::size_t k = 0; k < d.peer.size(); ++k) o += (k ? ", " : "") + jflag(d.peer[k]);
-    o += "]}";
+  ojson devices = ojson::array();
+  for (const device_report& d : r.devices) {
+    ojson o;
+    o["index"] = d.index;
+    o["name"] = d.name;
+    o["usable"] = d.usable;
+    o["message"] = d.message;
+    if (d.mem.ok()) o["memory"] = {{"total", d.mem.value.total}, {"free", d.mem.value.free}};
+    else o["memory"] = {{"error", d.mem.st.name}};
+    o["vmm"] = jflag(d.vmm);
+    o["posix_fd"] = jflag(d.posix_fd);
+    o["fabric"] = jflag(d.fabric);
+    o["generic_compression"] = jflag(d.compression);
+    o["gpu_direct_rdma_with_vmm"] = jflag(d.rdma_vmm);
+    o["multicast"] = jflag(d.multicast);
+    ojson gran = ojson::object();
+    for (const gran_row& g : d.gran) gran[g.key] = jgran(g.g);
+    o["granularity"] = std::move(gran);
+    ojson peers = ojson::array();
+    for (int p : d.peer) peers.push_back(jflag(p));
+    o["peer_access"] = std::move(peers);
+    devices.push_back(std::move(o));
   }
-  o += "]}, \"host_backend\": {\"granularity\": " + jgran(r.host_gran);
-  o += ", \"simulated_devices\": " + std::to_string(r.host_opts.device_count);
-  o += ", \"physical_limit\": " +
-       (r.host_mem.ok() ? std::to_string(r.host_mem.value.total) : std::string("null"));
-  o += ", \"capabilities\": [";
-  auto caps = cap_names(r.host_caps);
-  for (std::size_t k = 0; k < caps.size(); ++k) o += (k ? ", " : "") + jstr(caps[k]);
-  o += "]}}\n";
-  std::fputs(o.c_str(), stdout);
+  ojson caps = ojson::array();
+  for (const char* c : cap_names(r.host_caps)) caps.push_back(c);
+  ojson out;
+  out["cuda"] = {{"available", r.available},
+                 {"message", r.message},
+                 {"driver_version", r.driver_version},
+                 {"devices", std::move(devices)}};
+  out["host_backend"] = {{"granularity", jgran(r.host_gran)},
+                         {"simulated_devices", r.host_opts.device_count},
+                         {"physical_limit", r.host_mem.ok() ? ojson(r.host_mem.value.total) : ojson(nullptr)},
+                         {"capabilities", std::move(caps)}};
+  // Driver messages are not guaranteed UTF-8: replace invalid bytes rather than throw.
+  std::puts(out.dump(-1, ' ', false, ojson::error_handler_t::replace).c_str());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   bool json = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--json") == 0) {
-      json = true;
-    } else {
-      std::printf("usage: %s [--json]\n", argv[0]);
-      return std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0 ? 0 : 2;
-    }
-  }
+  CLI::App app{"What this machine offers vmmalloc: per CUDA device its VMM attributes, granularities and peer "
+               "access; without a usable driver, the host backend. Always exits 0 once the options parse.",
+               "vmm-info"};
+  app.add_flag("--json", json, "print the same facts as one JSON object");
+  vmm::tools::parse_or_exit(app, argc, argv);
   const report r = collect();
   if (json) print_json(r);
   else print_text(r);

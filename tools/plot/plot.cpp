@@ -34,13 +34,12 @@
 #include <string>
 #include <vector>
 
-#include "json.hpp"
+#include "replay_json.hpp"
 #include "timeline.hpp"
+#include "tool_cli.hpp"
 #include "trace.hpp"
 
 namespace {
-
-using vmm::plot::jvalue;
 
 enum class kind { live, mapped, reserved };
 const char* kind_name(kind k) { return k == kind::live ? "live" : k == kind::mapped ? "mapped" : "reserved"; }
@@ -72,55 +71,33 @@ struct cli {
   int width = 1200, height = 640;
 };
 
-[[noreturn]] void usage(const std::string& msg) {
-  if (!msg.empty()) std::fprintf(stderr, "vmm-plot: %s\n", msg.c_str());
-  std::fprintf(stderr,
-               "usage: vmm-plot INPUT... -o OUT.svg [--title TEXT] [--samples N] [--width PX] [--height PX]\n"
-               "  INPUT        an allocation trace (plain or .gz): live bytes over the event index; or\n"
-               "               vmm-replay's JSON written with --samples N --json FILE: live, mapped and\n"
-               "               reserved bytes per allocator\n"
-               "  -o FILE      the SVG to write\n"
-               "  --title      chart title (default: from the inputs)\n"
-               "  --samples N  points per series taken from a trace input (default 2000; each the\n"
-               "               maximum since the previous one, plus the exact peak)\n"
-               "  --width, --height  picture size in pixels (default 1200 x 640)\n");
-  std::exit(2);
-}
-
 [[noreturn]] void die(const std::string& msg, int code = 2) {
   std::fprintf(stderr, "vmm-plot: %s\n", msg.c_str());
   std::exit(code);
 }
 
-std::uint64_t parse_count(const std::string& s, const char* opt) {
-  char* end = nullptr;
-  errno = 0;
-  unsigned long long v = std::strtoull(s.c_str(), &end, 10);
-  if (errno || end == s.c_str() || *end || s[0] == '-') usage(std::string("bad value for ") + opt + ": " + s);
-  return v;
-}
-
 cli parse_cli(int argc, char** argv) {
   cli c;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&](const char* opt) -> std::string {
-      if (i + 1 >= argc) usage(std::string(opt) + " needs a value");
-      return argv[++i];
-    };
-    if (a == "-h" || a == "--help") usage("");
-    else if (a == "-o" || a == "--output") c.out = value("-o");
-    else if (a == "--title") c.title = value("--title");
-    else if (a == "--samples") c.samples = parse_count(value("--samples"), "--samples");
-    else if (a == "--width") c.width = static_cast<int>(std::min<std::uint64_t>(parse_count(value("--width"), "--width"), 20000));
-    else if (a == "--height") c.height = static_cast<int>(std::min<std::uint64_t>(parse_count(value("--height"), "--height"), 20000));
-    else if (a.size() > 1 && a[0] == '-') usage("unknown option " + a);
-    else c.inputs.push_back(a);
-  }
-  if (c.inputs.empty()) usage("no input given");
-  if (c.out.empty()) usage("no output given (-o OUT.svg)");
-  if (c.samples < 2) usage("--samples needs N >= 2");
-  if (c.width < 480 || c.height < 320) usage("--width/--height: at least 480 x 320");
+  CLI::App app{"One self-contained SVG of memory over a trace's event index.", "vmm-plot"};
+  app.add_option("INPUT", c.inputs,
+                 "an allocation trace (plain or .gz): live bytes over the event index; or vmm-replay's JSON "
+                 "written with --samples N --json FILE: live, mapped and reserved bytes per allocator");
+  app.add_option("-o,--output", c.out, "the SVG to write")->type_name("FILE");
+  app.add_option("--title", c.title, "chart title (default: from the inputs)");
+  app.add_option("--samples", c.samples,
+                 "points per series taken from a trace input (default 2000; each the maximum since the previous "
+                 "one, plus the exact peak)")
+      ->type_name("N");
+  std::uint64_t width = 1200, height = 640;
+  app.add_option("--width", width, "picture width in pixels (default 1200)")->type_name("PX");
+  app.add_option("--height", height, "picture height in pixels (default 640)")->type_name("PX");
+  vmm::tools::parse_or_exit(app, argc, argv);
+  c.width = static_cast<int>(std::min<std::uint64_t>(width, 20000));
+  c.height = static_cast<int>(std::min<std::uint64_t>(height, 20000));
+  if (c.inputs.empty()) vmm::tools::usage_error(app, "no input given");
+  if (c.out.empty()) vmm::tools::usage_error(app, "no output given (-o OUT.svg)");
+  if (c.samples < 2) vmm::tools::usage_error(app, "--samples needs N >= 2");
+  if (c.width < 480 || c.height < 320) vmm::tools::usage_error(app, "--width/--height: at least 480 x 320");
   return c;
 }
 
@@ -160,86 +137,37 @@ input_row read_trace(const std::string& path, std::size_t samples, std::size_t i
   return r;
 }
 
-// Reads one series of a timeline: an array of numbers as long as "event", or null / absent.
-std::optional<series> json_series(const jvalue& tl, const char* key, kind k, const std::vector<double>& ev,
-                                  const std::string& where) {
-  const jvalue* a = tl.get(key);
-  if (!a || a->is_null()) return std::nullopt;
-  if (a->kind != jvalue::array) die(where + ": timeline." + key + " is not an array");
-  if (a->arr.size() != ev.size())
-    die(where + ": timeline." + key + " has " + std::to_string(a->arr.size()) + " values, timeline.event has " +
-        std::to_string(ev.size()));
+// A series as vmm-replay's JSON holds it, on the timeline's event indices.
+series from_json(const vmm::plot::json_series& j, kind k, const std::vector<double>& ev) {
   series s;
   s.k = k;
   s.x = ev;
-  for (auto& v : a->arr) {
-    if (v.kind != jvalue::number || v.num < 0) die(where + ": timeline." + key + " holds a value that is not a byte count");
-    s.y.push_back(v.num);
-  }
-  // The peak as vmm-replay recorded it (exact event); if absent, the largest sample.
-  const jvalue* peaks = tl.get("peaks");
-  const jvalue* p = peaks ? peaks->get(key) : nullptr;
-  const jvalue* pe = p ? p->get("event") : nullptr;
-  const jvalue* pb = p ? p->get("bytes") : nullptr;
-  if (pe && pb && pe->kind == jvalue::number && pb->kind == jvalue::number) {
-    s.peak_x = pe->num;
-    s.peak_y = pb->num;
-  } else {
-    auto it = std::max_element(s.y.begin(), s.y.end());
-    s.peak_x = s.x[std::size_t(it - s.y.begin())];
-    s.peak_y = *it;
-  }
+  s.y = j.y;
+  s.peak_x = j.peak_event;
+  s.peak_y = j.peak_bytes;
+  s.source = j.source;
   return s;
 }
 
 std::vector<input_row> read_replay_json(const std::string& path, const std::string& text, std::size_t index) {
-  jvalue root;
+  std::vector<vmm::plot::replay_row> got;
   try {
-    root = vmm::plot::json_reader(text).parse();
-  } catch (const vmm::plot::json_error& e) {
-    die(path + ": not valid JSON: " + e.what());
+    got = vmm::plot::read_replay_json(text, path);
+  } catch (const vmm::plot::input_error& e) {
+    die(e.what());
   }
-  std::vector<const jvalue*> rows;
-  if (root.kind == jvalue::array)
-    for (auto& v : root.arr) rows.push_back(&v);
-  else if (root.kind == jvalue::object)
-    rows.push_back(&root);
-  if (rows.empty()) die(path + ": expected vmm-replay's JSON (a list of allocators), found no entries");
-
   std::vector<input_row> out;
-  for (std::size_t k = 0; k < rows.size(); ++k) {
-    const jvalue& r = *rows[k];
-    const jvalue* name = r.get("name");
-    if (r.kind != jvalue::object || !name || name->kind != jvalue::string)
-      die(path + ": entry " + std::to_string(k) + " is not a vmm-replay result (no \"name\")");
-    std::string where = path + ": " + name->str;
-    const jvalue* tl = r.get("timeline");
-    if (!tl || tl->kind != jvalue::object)
-      die(where + " has no timeline: write the JSON with vmm-replay --samples N --json FILE");
-    const jvalue* ev = tl->get("event");
-    const jvalue* events = tl->get("events");
-    if (!ev || ev->kind != jvalue::array || ev->arr.empty()) die(where + ": timeline.event is missing or empty");
-    if (!events || events->kind != jvalue::number || events->num < 1) die(where + ": timeline.events is missing");
-    std::vector<double> x;
-    for (auto& v : ev->arr) {
-      if (v.kind != jvalue::number || v.num < 0 || v.num >= events->num || (!x.empty() && v.num <= x.back()))
-        die(where + ": timeline.event must hold increasing event indices below timeline.events");
-      x.push_back(v.num);
-    }
+  for (auto& r : got) {
     input_row row;
-    row.name = name->str;
-    if (auto* b = r.get("backend"); b && b->kind == jvalue::string) row.backend = b->str;
-    if (auto* t = r.get("trace"); t && t->kind == jvalue::string) row.trace = t->str;
+    row.name = r.name;
+    row.backend = r.backend;
+    row.trace = r.trace;
     row.input = index;
-    row.events = events->num;
-    auto live = json_series(*tl, "live", kind::live, x, where);
-    if (!live) die(where + ": timeline.live is missing");
-    row.live = std::move(*live);
+    row.events = r.events;
+    row.live = from_json(r.live, kind::live, r.event);
     row.live.source = "computed from the trace";
-    row.mapped = json_series(*tl, "mapped", kind::mapped, x, where);
-    row.reserved = json_series(*tl, "reserved", kind::reserved, x, where);
-    if (auto* s = tl->get("mapped_source"); row.mapped && s && s->kind == jvalue::string) row.mapped->source = s->str;
-    if (auto* s = tl->get("reserved_source"); row.reserved && s && s->kind == jvalue::string) row.reserved->source = s->str;
+    if (r.mapped) row.mapped = from_json(*r.mapped, kind::mapped, r.event);
+    if (r.reserved) row.reserved = from_json(*r.reserved, kind::reserved, r.event);
     out.push_back(std::move(row));
   }
   return out;

@@ -3,12 +3,14 @@
 include_guard(GLOBAL)
 
 find_package(ZLIB QUIET)
+find_package(Threads REQUIRED)
 add_library(vmm_replay_core STATIC
   ${CMAKE_CURRENT_LIST_DIR}/trace.cpp
   ${CMAKE_CURRENT_LIST_DIR}/timeline.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/peers.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/peers.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/replay_pass.cpp)
 target_include_directories(vmm_replay_core PUBLIC ${CMAKE_CURRENT_LIST_DIR})
-target_link_libraries(vmm_replay_core PUBLIC vmmalloc)
+target_link_libraries(vmm_replay_core PUBLIC vmmalloc Threads::Threads)
 # zlib reads .gz (and plain) traces; without it the parser falls back to `gzip -dc`.
 if(ZLIB_FOUND)
   target_link_libraries(vmm_replay_core PRIVATE ZLIB::ZLIB)
@@ -32,7 +34,13 @@ endif()
 if(VMM_HAVE_NVCC AND TARGET ${_vmm_cudart})
   target_link_libraries(vmm_replay_core PUBLIC ${_vmm_cudart})
   target_compile_definitions(vmm_replay_core PUBLIC VMM_REPLAY_CUDA=1)
-  message(STATUS "vmmalloc: replay/demo/bench peers: cudaMalloc, cudaMallocAsync (cudart)")
+  # vmm-replay --lag on CUDA streams: the gate kernel (cuda_lag.cu), its own target so the C++
+  # flags (-Wall, sanitizers) never reach nvcc.
+  add_library(vmm_replay_gate STATIC ${CMAKE_CURRENT_LIST_DIR}/cuda_lag.cu)
+  target_link_libraries(vmm_replay_gate PUBLIC CUDA::cudart)
+  target_link_libraries(vmm_replay_core PRIVATE vmm_replay_gate)
+  target_compile_definitions(vmm_replay_core PRIVATE VMM_REPLAY_CUDA_LAG=1)
+  message(STATUS "vmmalloc: replay/demo/bench peers: cudaMalloc, cudaMallocAsync (cudart); --lag gate kernel (nvcc)")
 else()
   message(STATUS "vmmalloc: replay/demo/bench peers: host only (no nvcc/cudart)")
 endif()

@@ -9,6 +9,7 @@
 
 #include <malloc.h>
 
+#include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 #ifdef VMM_REPLAY_CUDA
@@ -96,8 +97,8 @@ struct device_usage {
 namespace {
 class vmmalloc_peer final : public peer {
  public:
-  vmmalloc_peer(vmm::allocator a, bool device, std::string detail)
-      : a_(std::move(a)), device_(device), detail_(std::move(detail)) {
+  vmmalloc_peer(vmm::allocator a, bool device, std::string detail, vmm::host_backend* hb = nullptr)
+      : a_(std::move(a)), device_(device), detail_(std::move(detail)), hb_(hb) {
 #ifdef VMM_REPLAY_CUDA
     if (device_) dev_.start();
 #endif
@@ -191,6 +192,8 @@ class vmmalloc_peer final : public peer {
 #endif
   }
   bool is_device() const override { return device_; }
+  bool stream_ordered() const override { return true; }
+  vmm::host_backend* host_backend() noexcept override { return hb_; }
   void release_cached() noexcept override {
     try {
       a_.trim(0);
@@ -203,6 +206,7 @@ class vmmalloc_peer final : public peer {
   vmm::allocator a_;
   bool device_;
   std::string detail_;
+  vmm::host_backend* hb_;  // owned by a_ (host backend only)
 #ifdef VMM_REPLAY_CUDA
   device_usage dev_;
 #endif
@@ -214,9 +218,13 @@ std::unique_ptr<peer> make_vmmalloc_host(std::size_t physical_limit) {
   vmm::host_backend_options h;
   h.granularity = std::size_t{2} << 20;
   h.physical_limit = physical_limit;
-  return std::make_unique<vmmalloc_peer>(vmm::allocator::host(o, h), false,
+  // The backend is made here, not by allocator::host(), to keep a pointer to its test controls.
+  auto b = vmm::make_backend<vmm::host_backend>(h);
+  vmm::host_backend* hb = vmm::backend_cast<vmm::host_backend>(*b);
+  return std::make_unique<vmmalloc_peer>(vmm::allocator(std::move(b), o), false,
                                          "host backend, 2 MiB granularity, " +
-                                             std::to_string(physical_limit >> 30) + " GiB limit");
+                                             std::to_string(physical_limit >> 30) + " GiB limit",
+                                         hb);
 }
 
 std::unique_ptr<peer> make_vmmalloc_cuda(int device) {
@@ -470,6 +478,7 @@ class cuda_malloc_async_peer final : public peer {
   }
   bool fill(void* p, int b, std::size_t n) noexcept override { return VMM_CUDA_OK(cudaMemset(p, b, n)); }
   bool is_device() const override { return true; }
+  bool stream_ordered() const override { return true; }
   void release_cached() noexcept override {
     if (VMM_CUDA_OK(cudaDeviceSynchronize())) (void)VMM_CUDA_OK(cudaMemPoolTrimTo(pool_, 0));
   }

@@ -18,6 +18,10 @@
 #include <utility>
 #include <vector>
 
+namespace vmm {
+class host_backend;
+}
+
 namespace vmm::replay {
 
 // What a peer can say about its memory after a run. nullopt = not observable: printed "n/a",
@@ -68,6 +72,11 @@ class peer {
   virtual bool copy(void* dst, const void* src, std::size_t n) noexcept;
   virtual bool fill(void* p, int byte, std::size_t n) noexcept;
   virtual bool is_device() const { return false; }
+  // Frees are stream-ordered (never synchronize the device), so a stream held back by --lag only
+  // delays reuse. cudaMalloc's cudaFree synchronizes: a lag would stall it, so it says false.
+  virtual bool stream_ordered() const { return false; }
+  // vmmalloc over the host backend: the backend, for its test controls (--lag holds streams).
+  virtual vmm::host_backend* host_backend() noexcept { return nullptr; }
   // Gives cached free memory back (trim, pool trim) so the next workload starts cold.
   virtual void release_cached() noexcept {}
 
@@ -83,7 +92,8 @@ class peer {
 std::unique_ptr<peer> make_vmmalloc_host(std::size_t physical_limit = std::size_t{256} << 30);
 // vmmalloc over the CUDA driver (loaded at run time). Throws vmm::error without a driver.
 std::unique_ptr<peer> make_vmmalloc_cuda(int device = 0);
-// Fake increasing addresses, nothing else: measures the harness. Single-threaded only.
+// Fake increasing addresses, nothing else: measures the harness. One call at a time (a threaded
+// replay's turns order the calls, so it measures the hand-offs too).
 std::unique_ptr<peer> make_null();
 // glibc malloc/free: the host reference (16 B alignment, not 256).
 std::unique_ptr<peer> make_malloc();

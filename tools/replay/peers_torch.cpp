@@ -84,6 +84,7 @@ class torch_peer final : public peer {
     return e == cudaSuccess;
   }
   bool is_device() const override { return true; }
+  bool stream_ordered() const override { return true; }  // raw_delete records events, never syncs
   void release_cached() noexcept override {
     try {
       cca::emptyCache();

@@ -2,7 +2,8 @@
 // each, ns per event and how much memory it held against what was live.
 //
 //   vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE] [--check-every N]
-//                    [--warm] [--device N] [--samples N]
+//                    [--warm] [--device N] [--samples N] [--threads recorded|one] [--lag N]
+//                    (--help: every option)
 //
 // Method (same for every allocator):
 //  * The whole trace is parsed first (ADDR names -> dense slot ids), so the timed loop is vector
@@ -20,6 +21,11 @@
 //    untimed, reading its memory after every event (peer::current()); at most N samples of live,
 //    mapped and reserved bytes plus each peak go into the JSON ("timeline", see timeline.hpp) for
 //    vmm-plot. The timed numbers never include this pass.
+//  * Threads (v2 traces): one replay thread per recorded thread, event i only after event i-1 has
+//    returned (replay_pass.hpp); --threads one replays on one thread. The hand-offs are harness
+//    cost: the null allocator pays them too, so "net of null" removes them.
+//  * --lag N: each stream's work stays N events behind the CPU (host backend: held fences; CUDA:
+//    gate kernels), for stream-ordered allocators; every pass (warm-up, timed, sampling) alike.
 //  * Progress: one overwritten line on stderr (percent, events/s, ETA), only when stderr is a tty.
 // Exit codes: 0 ok, 1 setup (no driver / device, bad option value), 2 bad usage or malformed
 // trace (with its line number), 3 an allocation or free failed, 4 check() or accounting failed.
@@ -38,14 +44,17 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "peers.hpp"
+#include "replay_pass.hpp"
 #include "timeline.hpp"
+#include "tool_cli.hpp"
 #include "trace.hpp"
 
 namespace {
 
 using namespace vmm::replay;
-using clk = std::chrono::steady_clock;
 
 struct cli {
   std::string trace_path;
@@ -56,66 +65,9 @@ struct cli {
   bool warm = false;
   int device = 0;
   std::uint64_t samples = 0;  // 0: no timeline
+  std::string threads = "recorded";  // recorded: one replay thread per recorded thread; one
+  std::uint64_t lag = 0;             // events the streams run behind the CPU; 0: none
 };
-
-[[noreturn]] void usage(const char* msg) {
-  if (msg && *msg) std::fprintf(stderr, "vmm-replay: %s\n", msg);
-  std::fprintf(stderr,
-               "usage: vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE]\n"
-               "                        [--check-every N] [--warm] [--device N] [--samples N]\n"
-               "  TRACE          trace file, plain text or .gz ('a|f ADDR SIZE STREAM' lines)\n"
-               "  --backend      vmmalloc's backend: host (memfd, default) or cuda (the GPU)\n"
-               "  --allocators   comma list of: vmmalloc, null, malloc%s%s\n"
-               "                 (default: vmmalloc,null; with --backend cuda also cudaMalloc,cudaMallocAsync)\n"
-               "  --json FILE    write the results as a JSON list\n"
-               "  --check-every  run vmmalloc's check() every N events (time excluded)\n"
-               "  --warm         replay once untimed before the timed pass (every allocator)\n"
-               "  --device N     CUDA device (default 0)\n"
-               "  --samples N    add a timeline of live/mapped/reserved bytes (at most N samples + the\n"
-               "                 peaks) per allocator to the JSON, for vmm-plot; from a separate untimed pass\n",
-               have_cuda_peers() ? ", cudaMalloc, cudaMallocAsync" : "",
-               have_torch_peer() ? ", torch" : "");
-  std::exit(2);
-}
-
-std::uint64_t parse_count(const char* s, const char* opt) {
-  char* end = nullptr;
-  errno = 0;
-  unsigned long long v = std::strtoull(s, &end, 10);
-  if (errno || !end || *end || end == s) usage((std::string("bad value for ") + opt + ": " + s).c_str());
-  return v;
-}
-
-cli parse_cli(int argc, char** argv) {
-  cli c;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&](const char* opt) -> const char* {
-      if (i + 1 >= argc) usage((std::string(opt) + " needs a value").c_str());
-      return argv[++i];
-    };
-    if (a == "-h" || a == "--help") usage("");
-    else if (a == "--backend") c.backend = value("--backend");
-    else if (a == "--allocators") c.allocators = value("--allocators");
-    else if (a == "--json") c.json = value("--json");
-    else if (a == "--check-every") c.check_every = parse_count(value("--check-every"), "--check-every");
-    else if (a == "--device") c.device = static_cast<int>(parse_count(value("--device"), "--device"));
-    else if (a == "--warm") c.warm = true;
-    else if (a == "--samples") {
-      c.samples = parse_count(value("--samples"), "--samples");
-      if (c.samples == 0) usage("--samples needs N >= 1");
-    }
-    else if (!a.empty() && a[0] == '-') usage(("unknown option " + a).c_str());
-    else if (c.trace_path.empty()) c.trace_path = a;
-    else usage(("unexpected argument " + a).c_str());
-  }
-  if (c.trace_path.empty()) usage("no trace given");
-  if (c.backend != "host" && c.backend != "cuda") usage("--backend is host or cuda");
-  if (c.samples && c.json.empty()) usage("--samples writes into the JSON: give --json FILE too");
-  if (c.allocators.empty())
-    c.allocators = c.backend == "cuda" ? "vmmalloc,cudaMalloc,cudaMallocAsync,null" : "vmmalloc,null";
-  return c;
-}
 
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> v;
@@ -126,206 +78,88 @@ std::vector<std::string> split_list(const std::string& s) {
   return v;
 }
 
-std::string mib(double b) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1 << 20));
-  return buf;
+const char* const known_allocators[] = {"vmmalloc", "null", "malloc", "cudaMalloc", "cudaMallocAsync", "torch"};
+
+cli parse_cli(int argc, char** argv) {
+  cli c;
+  CLI::App app{"Replays an allocation trace through several allocators in one run; prints, for each, ns per "
+               "event and the memory it held against what was live.",
+               "vmm-replay"};
+  app.add_option("TRACE", c.trace_path, "trace file, plain text or .gz (format: docs/trace-format.md)");
+  app.add_option("--backend", c.backend, "vmmalloc's backend: host (memfd, default) or cuda (the GPU)")
+      ->check(CLI::IsMember({"host", "cuda"}));
+  std::string peers = std::string("comma list of: vmmalloc, null, malloc") +
+                      (have_cuda_peers() ? ", cudaMalloc, cudaMallocAsync" : "") + (have_torch_peer() ? ", torch" : "") +
+                      " (default: vmmalloc,null; with --backend cuda also cudaMalloc,cudaMallocAsync)";
+  app.add_option("--allocators", c.allocators, peers)->type_name("LIST");
+  app.add_option("--json", c.json, "write the results as a JSON list")->type_name("FILE");
+  app.add_option("--check-every", c.check_every, "run vmmalloc's check() every N events (time excluded)")
+      ->type_name("N");
+  app.add_flag("--warm", c.warm, "replay once untimed before the timed pass (every allocator)");
+  app.add_option("--device", c.device, "CUDA device (default 0)")->type_name("N")->check(CLI::NonNegativeNumber);
+  app.add_option("--samples", c.samples,
+                 "add a timeline of live/mapped/reserved bytes (at most N samples + the peaks) per allocator to "
+                 "the JSON, for vmm-plot; from a separate untimed pass")
+      ->type_name("N");
+  app.add_option("--threads", c.threads,
+                 "recorded (default): one replay thread per thread of a v2 trace, each event after the previous one "
+                 "has returned; one: every event on one thread")
+      ->check(CLI::IsMember({"recorded", "one"}));
+  app.add_option("--lag", c.lag,
+                 "keep each stream's work N events behind the CPU (0: off, default): fences recorded on a stream "
+                 "complete N events later (host backend: held streams; CUDA: gate kernels), for stream-ordered "
+                 "allocators (vmmalloc, cudaMallocAsync)")
+      ->type_name("N");
+  vmm::tools::parse_or_exit(app, argc, argv);
+  if (c.trace_path.empty()) vmm::tools::usage_error(app, "no trace given");
+  if (app.count("--samples") && c.samples == 0) vmm::tools::usage_error(app, "--samples needs N >= 1");
+  if (c.samples && c.json.empty()) vmm::tools::usage_error(app, "--samples writes into the JSON: give --json FILE too");
+  if (c.allocators.empty())
+    c.allocators = c.backend == "cuda" ? "vmmalloc,cudaMalloc,cudaMallocAsync,null" : "vmmalloc,null";
+  for (const auto& n : split_list(c.allocators))
+    if (std::find(std::begin(known_allocators), std::end(known_allocators), n) == std::end(known_allocators))
+      vmm::tools::usage_error(app, "unknown allocator '" + n + "' in --allocators");
+  if (split_list(c.allocators).empty()) vmm::tools::usage_error(app, "--allocators is empty");
+  return c;
 }
-std::string mib(std::optional<std::uint64_t> b) { return b ? mib(double(*b)) : "n/a"; }
 
-std::string event_text(const trace& t, std::size_t i) {
-  const event& e = t.events[i];
-  char buf[160];
-  std::snprintf(buf, sizeof buf, "line %" PRIu32 ": %c %" PRIx64 " %" PRIu64 " %" PRIu64, t.lines[i],
-                e.kind == op::alloc ? 'a' : 'f', t.names[i], e.size, t.stream_ids[e.stream]);
-  return buf;
-}
+std::string mib(std::optional<std::uint64_t> b) { return b ? vmm::replay::mib(double(*b)) : "n/a"; }
 
-// ---- progress ---------------------------------------------------------------------------------
-
-// One overwritten stderr line: percent, events/s (wall clock, pauses included), ETA. Only on a
-// terminal. Redrawn at most 5 times a second; the caller decides how often to offer an update.
-class progress_line {
- public:
-  progress_line(bool on, std::string label, std::size_t total)
-      : on_(on), label_(std::move(label)), total_(total), start_(clk::now()), last_(start_) {}
-  ~progress_line() { clear(); }
-  void update(std::size_t done) {
-    if (!on_) return;
-    auto now = clk::now();
-    if (done < total_ && now - last_ < std::chrono::milliseconds(200)) return;
-    last_ = now;
-    double el = std::chrono::duration<double>(now - start_).count();
-    double rate = el > 0 ? double(done) / el : 0;
-    char eta[32] = "?";
-    if (rate > 0) {
-      auto left = static_cast<unsigned long>(double(total_ - done) / rate + 0.5);
-      std::snprintf(eta, sizeof eta, "%lu:%02lu", left / 60, left % 60);
-    }
-    std::fprintf(stderr, "\r  %s: %5.1f%% (%zu / %zu events), %.2f M events/s, ETA %s\033[K", label_.c_str(),
-                 100.0 * double(done) / double(total_ ? total_ : 1), done, total_, rate / 1e6, eta);
-    drawn_ = true;
-  }
-  void clear() {
-    if (drawn_) std::fprintf(stderr, "\r\033[K");
-    drawn_ = false;
-  }
-
- private:
-  bool on_;
-  std::string label_;
-  std::size_t total_;
-  clk::time_point start_, last_;
-  bool drawn_ = false;
-};
-
-// ---- one pass ---------------------------------------------------------------------------------
-
-struct pass_opts {
-  std::uint64_t check_every = 0;
-  bool progress = false;
-  bool sample = false;
-  std::uint64_t sample_every = 16384;  // ~80 samples for 1.3 M events; each is a few us, untimed
-  const char* label = "";
-};
-
-struct pass_result {
-  int exit_code = 0;  // 0 ok, 3 alloc/free failure, 4 check failure
-  std::string failure;
-  double seconds = 0, paused = 0;
-  std::uint64_t checks = 0;
-  std::string note;  // sampling pass: a series that stopped being observable, and why
-};
-
-pass_result run_pass(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
-                     const pass_opts& o) {
-  constexpr std::uint64_t progress_every = 1 << 17;
-  const std::size_t n = t.events.size();
-  progress_line bar(o.progress, o.label, n);
-  const event* ev = t.events.data();
-  void** slot = ptr.data();
-  void* const* str = streams.data();
-  const std::size_t peak_stop = t.peak_live_event + 1;
-  pass_result r;
-
-  auto next_multiple = [](std::size_t i, std::uint64_t k) { return (i / k + 1) * k; };
-  auto next_stop = [&](std::size_t i) {
-    std::size_t s = n;
-    if (o.check_every) s = std::min<std::size_t>(s, next_multiple(i, o.check_every));
-    if (o.sample) s = std::min<std::size_t>(s, next_multiple(i, o.sample_every));
-    if (o.sample && peak_stop > i) s = std::min(s, peak_stop);
-    if (o.progress) s = std::min<std::size_t>(s, next_multiple(i, progress_every));
-    return s;
-  };
-
-  auto t0 = clk::now();
-  std::size_t i = 0;
-  while (i < n) {
-    const std::size_t stop = next_stop(i);
-    // The timed loop: vector indexing and one virtual call per event.
-    for (; i < stop; ++i) {
-      const event& e = ev[i];
-      if (e.kind == op::alloc) {
-        void* p = a.allocate(e.size, str[e.stream]);
-        if (!p) [[unlikely]] {
-          r.exit_code = 3;
-          r.failure = "allocation failed at event " + std::to_string(i) + " (" + event_text(t, i) +
-                      "; live before it: " + mib(double(i ? t.live_after[i - 1] : 0)) + "): " + peer::error();
-          break;
-        }
-        slot[e.id] = p;
-      } else if (!a.deallocate(slot[e.id], e.size, str[e.stream])) [[unlikely]] {
-        r.exit_code = 3;
-        r.failure = "free failed at event " + std::to_string(i) + " (" + event_text(t, i) + "): " + peer::error();
-        break;
-      }
-    }
-    if (r.exit_code) break;
-    // A stop: sample / check / progress, all outside the measured time.
-    auto p0 = clk::now();
-    if (o.sample && (i % o.sample_every == 0 || i == peak_stop || i == n)) a.sample();
-    if (o.check_every && i % o.check_every == 0) {
-      ++r.checks;
-      std::string c = a.check();
-      if (!c.empty()) {
-        r.exit_code = 4;
-        r.failure = "check() failed after event " + std::to_string(i - 1) + " (" + event_text(t, i - 1) + "): " + c;
-        break;
-      }
-      if (auto live = a.live_requested(); live && *live != t.live_after[i - 1]) {
-        r.exit_code = 4;
-        r.failure = "stats().requested = " + std::to_string(*live) + " after event " + std::to_string(i - 1) +
-                    " (" + event_text(t, i - 1) + "), but the trace has " + std::to_string(t.live_after[i - 1]) +
-                    " bytes live";
-        break;
-      }
-    }
-    if (o.progress && (i % progress_every == 0 || i == n)) bar.update(i);
-    r.paused += std::chrono::duration<double>(clk::now() - p0).count();
-  }
-  if (!r.exit_code && !a.synchronize()) {
-    r.exit_code = 3;
-    r.failure = "synchronize after the replay failed: " + peer::error();
-  }
-  r.seconds = std::chrono::duration<double>(clk::now() - t0).count() - r.paused;
-  bar.clear();
-  return r;
-}
+// ---- passes -----------------------------------------------------------------------------------
 
 // The sampling pass (--samples): untimed, reads the peer's memory after every event, checks the
 // allocator's own count of requested bytes against the trace at every event (exit 4 if they
 // differ), and cuts the per-event values down to a timeline. Series the peer cannot observe at
-// every event are left out (reported on stderr), never filled in.
+// every event are left out (reported in `note`), never filled in. Same threads and lag as the
+// timed pass (opts), so the timeline shows what that pass did.
 pass_result sample_pass(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
-                        std::size_t max_samples, bool progress, const std::string& label, timeline& out) {
-  const std::size_t n = t.events.size();
-  pass_result r;
-  progress_line bar(progress, label, n);
+                        std::size_t max_samples, pass_opts o, timeline& out, std::string& note) {
   std::vector<std::uint64_t> mapped, reserved;
   bool has_mapped = true, has_reserved = true;
-  auto t0 = clk::now();
-  for (std::size_t i = 0; i < n; ++i) {
-    const event& e = t.events[i];
-    if (e.kind == op::alloc) {
-      void* p = a.allocate(e.size, streams[e.stream]);
-      if (!p) {
-        r.exit_code = 3;
-        r.failure = "allocation failed at event " + std::to_string(i) + " (" + event_text(t, i) + "): " + peer::error();
-        return r;
-      }
-      ptr[e.id] = p;
-    } else if (!a.deallocate(ptr[e.id], e.size, streams[e.stream])) {
-      r.exit_code = 3;
-      r.failure = "free failed at event " + std::to_string(i) + " (" + event_text(t, i) + "): " + peer::error();
-      return r;
-    }
+  o.check_every = 0;
+  o.sample = false;
+  o.after_event = [&](std::size_t i) -> std::string {
     memory_now m = a.current();
-    if (m.requested && *m.requested != t.live_after[i]) {
-      r.exit_code = 4;
-      r.failure = "stats().requested = " + std::to_string(*m.requested) + " after event " + std::to_string(i) +
-                  " (" + event_text(t, i) + "), but the trace has " + std::to_string(t.live_after[i]) + " bytes live";
-      return r;
-    }
+    if (m.requested && *m.requested != t.live_after[i])
+      return "stats().requested = " + std::to_string(*m.requested) + " after event " + std::to_string(i) + " (" +
+             event_text(t, i) + "), but the trace has " + std::to_string(t.live_after[i]) + " bytes live";
     auto drop = [&](bool& has, std::vector<std::uint64_t>& v, const char* what) {
       has = false;
-      if (i > 0) r.note += std::string(what) + " not observable after event " + std::to_string(i) + " (" + peer::error() + "), left out; ";
+      if (i > 0)
+        note += std::string(what) + " not observable after event " + std::to_string(i) + " (" + peer::error() +
+                "), left out; ";
       v = {};
     };
     if (has_mapped && !m.mapped) drop(has_mapped, mapped, "mapped");
     if (has_reserved && !m.reserved) drop(has_reserved, reserved, "reserved");
     if (has_mapped) mapped.push_back(*m.mapped);
     if (has_reserved) reserved.push_back(*m.reserved);
-    if (progress && (i & 0xffff) == 0) bar.update(i);
-  }
-  if (!a.synchronize()) {
-    r.exit_code = 3;
-    r.failure = "synchronize after the sampling pass failed: " + peer::error();
-    return r;
-  }
-  bar.update(n);
-  bar.clear();
-  r.seconds = std::chrono::duration<double>(clk::now() - t0).count();
-  out = make_timeline(t.live_after, mapped, reserved, max_samples);
+    return {};
+  };
+  auto t0 = clk::now();
+  pass_result r = run_pass(a, t, streams, ptr, o);
+  r.seconds = std::chrono::duration<double>(clk::now() - t0).count();  // the whole (untimed) pass
+  if (!r.exit_code) out = make_timeline(t.live_after, mapped, reserved, max_samples);
   return r;
 }
 
@@ -354,75 +188,84 @@ struct row {
   memory_report mem;
   std::optional<timeline> tl;  // --samples
   double sample_seconds = 0;
+  std::size_t threads = 1;
+  std::uint64_t handoffs = 0;
+  std::uint64_t lag = 0, lag_actions = 0, lag_timeouts = 0;  // lag = 0: none applied
+  std::string lag_how;                                       // what the lag did, or why there was none
 };
 
-std::string json_str(const std::string& s) {
-  std::string o = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') o += '\\', o += char(c);
-    else if (c < 0x20) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\u%04x", c);
-      o += b;
-    } else o += char(c);
-  }
-  return o + "\"";
+// JSON through nlohmann: ordered_json keeps the keys in the order documented in README.md.
+using ojson = nlohmann::ordered_json;
+
+// Counts stay integers in the JSON (extras are doubles in memory_report).
+ojson json_num(double v) {
+  if (v >= 0 && v < 1.8e19 && v == double(std::uint64_t(v))) return std::uint64_t(v);
+  return v;
 }
-std::string json_num(double v) {
-  char b[64];
-  if (v == double(std::uint64_t(v)) && v < 1e19) std::snprintf(b, sizeof b, "%" PRIu64, std::uint64_t(v));
-  else std::snprintf(b, sizeof b, "%.6g", v);
-  return b;
-}
-std::string json_opt(std::optional<std::uint64_t> v) { return v ? json_num(double(*v)) : "null"; }
+ojson json_opt(std::optional<std::uint64_t> v) { return v ? ojson(*v) : ojson(nullptr); }
 
 // "timeline": {...}: the shape vmm-plot reads (documented in README.md).
-void write_timeline(std::ostream& f, const timeline& tl, const row& r, const cli& c) {
-  auto arr = [&](const auto& v) {
-    if (v.empty()) return std::string("null");
-    std::string s = "[";
-    for (std::size_t i = 0; i < v.size(); ++i) (s += i ? "," : "") += std::to_string(v[i]);
-    return s + "]";
-  };
+ojson timeline_json(const timeline& tl, const row& r, const cli& c) {
+  auto arr = [](const auto& v) { return v.empty() ? ojson(nullptr) : ojson(v); };
   auto peak = [](const std::optional<series_peak>& p) {
-    return p ? "{\"event\": " + std::to_string(p->event) + ", \"bytes\": " + std::to_string(p->bytes) + "}"
-             : std::string("null");
+    return p ? ojson{{"event", p->event}, {"bytes", p->bytes}} : ojson(nullptr);
   };
-  f << ",\n   \"timeline\": {\"events\": " << tl.events << ", \"max_samples\": " << c.samples
-    << ", \"samples\": " << tl.event.size() << ", \"pass_seconds\": " << json_num(r.sample_seconds)
-    << ",\n    \"method\": "
-    << json_str("separate untimed pass on a fresh instance after the timed one; each sample is the maximum "
-                "over the events since the previous sample; each series' first peak event is a sample")
-    << ",\n    \"mapped_source\": " << (tl.mapped.empty() ? "null" : json_str(r.mem.mapped_source))
-    << ", \"reserved_source\": "
-    << (tl.reserved.empty() ? "null" : json_str(r.name == "vmmalloc" ? "stats().reserved (VA reserved at open)" : "peer"))
-    << ",\n    \"peaks\": {\"live\": " << peak(tl.peak_live) << ", \"mapped\": " << peak(tl.peak_mapped)
-    << ", \"reserved\": " << peak(tl.peak_reserved) << "},\n    \"event\": " << arr(tl.event)
-    << ",\n    \"live\": " << arr(tl.live) << ",\n    \"mapped\": " << arr(tl.mapped)
-    << ",\n    \"reserved\": " << arr(tl.reserved) << "}";
+  ojson o;
+  o["events"] = tl.events;
+  o["max_samples"] = c.samples;
+  o["samples"] = tl.event.size();
+  o["pass_seconds"] = r.sample_seconds;
+  o["method"] =
+      "separate untimed pass on a fresh instance after the timed one; each sample is the maximum over the events "
+      "since the previous sample; each series' first peak event is a sample";
+  o["mapped_source"] = tl.mapped.empty() ? ojson(nullptr) : ojson(r.mem.mapped_source);
+  o["reserved_source"] = tl.reserved.empty()
+                             ? ojson(nullptr)
+                             : ojson(r.name == "vmmalloc" ? "stats().reserved (VA reserved at open)" : "peer");
+  o["peaks"] = {{"live", peak(tl.peak_live)}, {"mapped", peak(tl.peak_mapped)}, {"reserved", peak(tl.peak_reserved)}};
+  o["event"] = arr(tl.event);
+  o["live"] = arr(tl.live);
+  o["mapped"] = arr(tl.mapped);
+  o["reserved"] = arr(tl.reserved);
+  return o;
 }
 
+// A list with one allocator per line (diffable; the timeline makes a line long).
 bool write_json(const std::string& path, const std::vector<row>& rows, const trace& t, const cli& c) {
   std::ofstream f(path);
   if (!f) return false;
   f << "[\n";
   for (std::size_t k = 0; k < rows.size(); ++k) {
     const row& r = rows[k];
-    f << "  {\"name\": " << json_str(r.name) << ", \"ns_per_op\": " << json_num(r.ns_per_op)
-      << ", \"peak_live_bytes\": " << json_num(double(t.peak_live_bytes))
-      << ", \"peak_mapped_bytes\": " << json_opt(r.mem.peak_mapped)
-      << ", \"peak_reserved_bytes\": " << json_opt(r.mem.peak_reserved)
-      << ", \"driver_calls\": " << json_opt(r.mem.driver_calls);
-    f << ", \"mapped_over_live\": "
-      << (r.mem.peak_mapped && t.peak_live_bytes ? json_num(double(*r.mem.peak_mapped) / double(t.peak_live_bytes))
-                                                 : "null");
-    f << ", \"peak_mapped_source\": " << json_str(r.mem.mapped_source) << ", \"backend\": " << json_str(r.backend)
-      << ", \"detail\": " << json_str(r.detail) << ", \"events\": " << r.events
-      << ", \"seconds\": " << json_num(r.seconds) << ", \"warm\": " << (c.warm ? "true" : "false")
-      << ", \"checks\": " << r.checks << ", \"trace\": " << json_str(t.source);
-    for (auto& [key, v] : r.mem.extra) f << ", " << json_str(key) << ": " << json_num(v);
-    if (r.tl) write_timeline(f, *r.tl, r, c);
-    f << "}" << (k + 1 < rows.size() ? "," : "") << "\n";
+    ojson o;
+    o["name"] = r.name;
+    o["ns_per_op"] = r.ns_per_op;
+    o["peak_live_bytes"] = t.peak_live_bytes;
+    o["peak_mapped_bytes"] = json_opt(r.mem.peak_mapped);
+    o["peak_reserved_bytes"] = json_opt(r.mem.peak_reserved);
+    o["driver_calls"] = json_opt(r.mem.driver_calls);
+    o["mapped_over_live"] = r.mem.peak_mapped && t.peak_live_bytes
+                                ? ojson(double(*r.mem.peak_mapped) / double(t.peak_live_bytes))
+                                : ojson(nullptr);
+    o["peak_mapped_source"] = r.mem.mapped_source;
+    o["backend"] = r.backend;
+    o["detail"] = r.detail;
+    o["events"] = r.events;
+    o["seconds"] = r.seconds;
+    o["warm"] = c.warm;
+    o["checks"] = r.checks;
+    o["trace"] = t.source;
+    o["trace_version"] = t.version;
+    o["threads"] = r.threads;
+    o["handoffs"] = r.handoffs;
+    o["lag_events"] = r.lag;
+    o["lag"] = r.lag_how.empty() ? ojson(nullptr) : ojson(r.lag_how);
+    o["lag_actions"] = r.lag_actions;
+    o["lag_timeouts"] = r.lag_timeouts;
+    for (auto& [key, v] : r.mem.extra) o[key] = json_num(v);
+    if (r.tl) o["timeline"] = timeline_json(*r.tl, r, c);
+    // Paths and driver messages are not guaranteed UTF-8: replace invalid bytes rather than throw.
+    f << "  " << o.dump(-1, ' ', false, ojson::error_handler_t::replace) << (k + 1 < rows.size() ? "," : "") << "\n";
   }
   f << "]\n";
   return bool(f);
@@ -468,7 +311,30 @@ std::unique_ptr<peer> make_by_name(const std::string& name, const cli& c) {
     if (name == "cudaMallocAsync") return make_cuda_malloc_async(c.device);
     return make_torch(c.device);
   }
-  usage(("unknown allocator '" + name + "'").c_str());
+  throw std::runtime_error("unknown allocator '" + name + "'");  // parse_cli checked the names
+}
+
+// The lag for one peer instance (its own host backend, or the CUDA streams), or none and why.
+std::unique_ptr<gpu_lag> lag_for(peer& a, const std::vector<void*>& streams, const cli& c, std::string& how) {
+  how.clear();
+  if (!c.lag) return nullptr;
+  if (!a.stream_ordered()) {
+    how = a.is_device() ? "none: " + a.name() + " synchronizes the device on free, a held stream would stall it"
+                        : "none: " + a.name() + " has no streams";
+    return nullptr;
+  }
+  if (a.is_device()) {
+    auto l = make_cuda_lag(streams, c.lag);  // throws without nvcc or on a CUDA error
+    how = l->describe();
+    return l;
+  }
+  if (vmm::host_backend* hb = a.host_backend()) {
+    auto l = make_host_lag(*hb, streams, c.lag);
+    how = l->describe();
+    return l;
+  }
+  how = "none: " + a.name() + " exposes no stream control";
+  return nullptr;
 }
 
 }  // namespace
@@ -476,11 +342,6 @@ std::unique_ptr<peer> make_by_name(const std::string& name, const cli& c) {
 int main(int argc, char** argv) {
   cli c = parse_cli(argc, argv);
   auto names = split_list(c.allocators);
-  if (names.empty()) usage("--allocators is empty");
-  for (auto& n : names)
-    if (n != "vmmalloc" && n != "null" && n != "malloc" && n != "cudaMalloc" && n != "cudaMallocAsync" &&
-        n != "torch")
-      usage(("unknown allocator '" + n + "'").c_str());
 
   // The host backend holds one memfd per chunk: allow as many descriptors as the hard limit does.
   if (rlimit rl{}; getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
@@ -501,17 +362,29 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "vmm-replay: %s: no events\n", c.trace_path.c_str());
     return 2;
   }
+  const schedule sched = make_schedule(t, c.threads == "recorded");
 
-  std::printf("trace: %s\n", t.source.c_str());
+  std::printf("trace: %s (v%d)\n", t.source.c_str(), t.version);
   std::printf("  %zu events (%" PRIu64 " allocations, %" PRIu64 " frees), %zu blocks live at the end, "
               "at most %" PRIu32 " live at once, %zu stream(s)\n",
               t.events.size(), t.allocs, t.frees, t.live_at_end.size(), t.slots, t.stream_ids.size());
   std::printf("  peak live %s after event %zu (line %" PRIu32 "); sizes %" PRIu64 " B .. %s; parsed in %.2f s\n",
               mib(double(t.peak_live_bytes)).c_str(), t.peak_live_event, t.lines[t.peak_live_event], t.min_size,
               mib(double(t.max_size)).c_str(), parse_s);
+  if (t.version >= 2)
+    std::printf("  %zu recorded thread(s), %" PRIu64 " frees by another thread, %" PRIu64
+                " frees on another stream, recorded over %.3f s\n",
+                t.thread_ids.size(), t.cross_thread_frees, t.cross_stream_frees, double(t.time_ns.back()) / 1e9);
   std::printf("  vmmalloc backend: %s; %s; %s\n", c.backend.c_str(),
               c.warm ? "warm (one untimed pass first)" : "cold (no warm-up pass)",
               c.check_every ? ("check() every " + std::to_string(c.check_every) + " events").c_str() : "no checks");
+  if (sched.threads > 1)
+    std::printf("  replay: %zu threads, one per recorded thread, in the recorded order (%" PRIu64 " hand-offs)\n",
+                sched.threads, sched.handoffs);
+  else
+    std::printf("  replay: one thread%s\n",
+                t.thread_ids.size() > 1 ? " (--threads one: the recorded threads' events in their order)" : "");
+  if (c.lag) std::printf("  lag: streams run %" PRIu64 " events behind the CPU (stream-ordered allocators)\n", c.lag);
   if (c.samples)
     std::printf("  timeline: at most %" PRIu64 " samples + peaks per allocator, from a separate untimed pass\n",
                 c.samples);
@@ -552,12 +425,23 @@ int main(int argc, char** argv) {
       }
       streams = &cuda_streams;
     }
+    std::string lag_how;
+    std::unique_ptr<gpu_lag> lag;
+    try {
+      lag = lag_for(*a, *streams, c, lag_how);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "vmm-replay: %s: --lag: %s\n", name.c_str(), e.what());
+      rc = 1;
+      break;
+    }
 
     pass_opts o;
     o.check_every = a->has_check() ? c.check_every : 0;  // vmmalloc's invariants
     o.progress = tty && t.events.size() >= 100000;
     o.sample = a->wants_samples();
     o.label = name.c_str();
+    o.sched = &sched;
+    o.lag = lag.get();
     std::string why;
     if (c.warm) {
       pass_opts w = o;
@@ -575,6 +459,7 @@ int main(int argc, char** argv) {
       }
     }
     a->reset_peaks();
+    if (lag) lag->actions = 0;
     pass_result r = run_pass(*a, t, *streams, ptr, o);
     if (r.exit_code) {
       std::fprintf(stderr, "vmm-replay: %s: %s\n", name.c_str(), r.failure.c_str());
@@ -589,6 +474,12 @@ int main(int argc, char** argv) {
     w.seconds = r.seconds;
     w.ns_per_op = r.seconds * 1e9 / double(t.events.size());
     w.checks = r.checks;
+    w.threads = sched.threads;
+    w.handoffs = sched.handoffs;
+    w.lag = lag ? c.lag : 0;
+    w.lag_how = lag_how;
+    w.lag_actions = lag ? lag->actions : 0;
+    w.lag_timeouts = lag ? lag->timeouts() : 0;
     w.mem = a->report();  // peaks of the timed pass, before the untimed end-of-trace frees
     if (!free_remaining(*a, t, *streams, ptr, why)) {
       std::fprintf(stderr, "vmm-replay: %s: %s\n", name.c_str(), why.c_str());
@@ -609,7 +500,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "vmm-replay: %s (%s): %.1f ns/event, %.2f s%s\n", name.c_str(), w.detail.c_str(),
                  w.ns_per_op, w.seconds,
                  r.checks ? (", " + std::to_string(r.checks) + " checks passed").c_str() : "");
+    if (c.lag)
+      std::fprintf(stderr, "vmm-replay: %s: lag: %s%s\n", name.c_str(), lag_how.c_str(),
+                   lag ? (", " + std::to_string(w.lag_actions) + (a->is_device() ? " gates" : " ticks")).c_str() : "");
+    if (w.lag_timeouts)
+      std::fprintf(stderr,
+                   "vmm-replay: %s: warning: %" PRIu64 " gate kernel(s) opened by their 2 s timeout, not by the "
+                   "replay: something waited for a held stream\n",
+                   name.c_str(), w.lag_timeouts);
     rows.push_back(std::move(w));
+    lag.reset();
     a->release_cached();  // the next allocator starts with the memory given back
 
     if (c.samples) {
@@ -617,17 +517,22 @@ int main(int argc, char** argv) {
       // same untimed warm-up); the timed instance goes first so the two never coexist.
       a.reset();
       std::unique_ptr<peer> b;
+      std::unique_ptr<gpu_lag> blag;
       try {
         b = make_by_name(name, c);
+        blag = lag_for(*b, *streams, c, lag_how);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "vmm-replay: %s: cannot create (sampling pass): %s\n", name.c_str(), e.what());
         rc = 1;
         break;
       }
+      pass_opts so;
+      so.progress = o.progress;
+      so.sched = &sched;
+      so.lag = blag.get();
       if (c.warm) {
-        pass_opts w2;
+        pass_opts w2 = so;
         w2.label = "warm-up (sampling)";
-        w2.progress = o.progress;
         pass_result wr = run_pass(*b, t, *streams, ptr, w2);
         if (wr.exit_code || !free_remaining(*b, t, *streams, ptr, why)) {
           std::fprintf(stderr, "vmm-replay: %s (warm-up before sampling): %s\n", name.c_str(),
@@ -638,7 +543,10 @@ int main(int argc, char** argv) {
       }
       b->reset_peaks();
       timeline tl;
-      pass_result sr = sample_pass(*b, t, *streams, ptr, c.samples, o.progress, name + " (sampling)", tl);
+      std::string note;
+      const std::string label = name + " (sampling)";
+      so.label = label.c_str();
+      pass_result sr = sample_pass(*b, t, *streams, ptr, c.samples, so, tl, note);
       if (sr.exit_code) {
         std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), sr.failure.c_str());
         rc = sr.exit_code;
@@ -649,7 +557,7 @@ int main(int argc, char** argv) {
         rc = 3;
         break;
       }
-      if (!sr.note.empty()) std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), sr.note.c_str());
+      if (!note.empty()) std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), note.c_str());
       std::fprintf(stderr, "vmm-replay: %s: timeline of %zu samples (untimed pass, %.2f s)%s\n", name.c_str(),
                    tl.event.size(), sr.seconds,
                    tl.peak_mapped ? (", peak mapped " + mib(double(tl.peak_mapped->bytes)) + " at event " +
@@ -658,6 +566,7 @@ int main(int argc, char** argv) {
                                   : "");
       rows.back().tl = std::move(tl);
       rows.back().sample_seconds = sr.seconds;
+      blag.reset();
       b->release_cached();
     }
   }

@@ -42,8 +42,8 @@ int split(std::string_view s, std::string_view* out, int max) {
   return n;
 }
 
-bool parse_u64(std::string_view s, int base, std::uint64_t& v) {
-  if (s.size() > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+bool parse_u64(std::string_view s, int base, std::uint64_t& v, bool allow_0x = true) {
+  if (allow_0x && s.size() > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
     s.remove_prefix(2);
     base = 16;
   }
@@ -60,17 +60,34 @@ struct parser::impl {
     std::uint32_t line;
     std::uint64_t size;
     std::uint16_t stream;
+    std::uint16_t thread;
   };
   trace t;
   std::unordered_map<std::uint64_t, live_info> live;  // ADDR -> block (parse time only)
-  std::unordered_map<std::uint64_t, std::uint16_t> streams;
+  std::unordered_map<std::uint64_t, std::uint16_t> streams, threads;
+  std::uint32_t last_time_line = 0;  // line of the previous event (v2 TIME order)
   std::vector<std::uint32_t> free_ids;  // slots whose block was freed: reused LIFO
   std::uint64_t live_bytes = 0;
 
   [[noreturn]] void fail(std::size_t line, const std::string& what) {
     throw parse_error(t.source, line, what);
   }
+  // Dense index of a STREAM or THREAD value, added on first sight (at most 65535 of each).
+  std::uint16_t dense(std::unordered_map<std::uint64_t, std::uint16_t>& m, std::vector<std::uint64_t>& ids,
+                      std::uint64_t v, std::size_t lineno, const char* what) {
+    if (auto it = m.find(v); it != m.end()) return it->second;
+    if (ids.size() >= UINT16_MAX) fail(lineno, std::string("more than 65535 distinct ") + what);
+    auto i = static_cast<std::uint16_t>(ids.size());
+    m.emplace(v, i);
+    ids.push_back(v);
+    return i;
+  }
 };
+
+namespace {
+// "# vmmalloc-trace vN [anything]": the version header, only on line 1.
+bool is_header(const std::string_view* f, int n) { return n >= 2 && f[0] == "#" && f[1] == "vmmalloc-trace"; }
+}  // namespace
 
 parser::parser(std::string source) : p_(std::make_unique<impl>()) {
   p_->t.source = std::move(source);
@@ -82,29 +99,49 @@ void parser::feed(std::string_view line, std::size_t lineno) {
   auto& P = *p_;
   P.t.lines_read = lineno;
   if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-  std::string_view f[4];
-  int n = split(line, f, 4);
-  if (n == 0 || f[0][0] == '#') return;  // blank or comment
+  std::string_view f[6];
+  int n = split(line, f, 6);
+  if (n == 0) return;  // blank
+  if (f[0][0] == '#') {
+    if (!is_header(f, n)) return;  // a comment
+    if (lineno != 1) P.fail(lineno, "the version header ('# vmmalloc-trace v2') must be the first line");
+    if (n < 3) P.fail(lineno, "version header without a version (expected '# vmmalloc-trace v2')");
+    if (f[2] == "v1") P.t.version = 1;
+    else if (f[2] == "v2") P.t.version = 2;
+    else P.fail(lineno, "unsupported trace version '" + std::string(f[2].substr(0, 16)) + "' (this parser reads v1 and v2)");
+    return;
+  }
   if (f[0] != "a" && f[0] != "f")
     P.fail(lineno, "unknown event '" + std::string(f[0].substr(0, 32)) + "' (expected 'a' or 'f')");
-  if (n != 4)
-    P.fail(lineno, std::string(n < 4 ? "missing" : "extra") + " fields (expected '" +
-                       std::string(f[0]) + " ADDR SIZE STREAM')");
-  std::uint64_t addr, size, stream;
+  const bool v2 = P.t.version == 2;
+  const int want = v2 ? 6 : 4;
+  if (n != want) {
+    std::string op(f[0]);
+    if (v2)
+      P.fail(lineno, std::string(n < want ? "missing" : "extra") + " fields (expected '" + op +
+                         " ADDR SIZE STREAM THREAD TIME' in a v2 trace)");
+    P.fail(lineno, n < want ? "missing fields (expected '" + op + " ADDR SIZE STREAM')"
+                            : "extra fields (expected '" + op + " ADDR SIZE STREAM'; a trace with THREAD and TIME "
+                              "starts with the line '# vmmalloc-trace v2')");
+  }
+  std::uint64_t addr, size, stream, tid = 0, time = 0;
   if (!parse_u64(f[1], 16, addr)) P.fail(lineno, "bad ADDR '" + std::string(f[1].substr(0, 40)) + "' (hex)");
   if (!parse_u64(f[2], 10, size)) P.fail(lineno, "bad SIZE '" + std::string(f[2].substr(0, 40)) + "' (decimal)");
   if (!parse_u64(f[3], 10, stream)) P.fail(lineno, "bad STREAM '" + std::string(f[3].substr(0, 40)) + "'");
+  if (v2) {
+    if (!parse_u64(f[4], 10, tid))
+      P.fail(lineno, "bad THREAD '" + std::string(f[4].substr(0, 40)) + "' (decimal, or hex with 0x)");
+    if (!parse_u64(f[5], 10, time, false))
+      P.fail(lineno, "bad TIME '" + std::string(f[5].substr(0, 40)) + "' (decimal ns since the trace started)");
+    if (!P.t.time_ns.empty() && time < P.t.time_ns.back())
+      P.fail(lineno, "TIME " + std::to_string(time) + " is before the previous event's (" +
+                         std::to_string(P.t.time_ns.back()) + " at line " + std::to_string(P.last_time_line) +
+                         "): lines must be in the order the events happened");
+  }
   if (lineno > UINT32_MAX) P.fail(lineno, "trace too long (more than 2^32 lines)");
 
-  std::uint16_t si;
-  if (auto it = P.streams.find(stream); it != P.streams.end()) {
-    si = it->second;
-  } else {
-    if (P.t.stream_ids.size() >= UINT16_MAX) P.fail(lineno, "more than 65535 distinct streams");
-    si = static_cast<std::uint16_t>(P.t.stream_ids.size());
-    P.streams.emplace(stream, si);
-    P.t.stream_ids.push_back(stream);
-  }
+  const std::uint16_t si = P.dense(P.streams, P.t.stream_ids, stream, lineno, "streams");
+  const std::uint16_t ti = P.dense(P.threads, P.t.thread_ids, tid, lineno, "threads");
 
   event e{};
   e.size = size;
@@ -121,7 +158,7 @@ void parser::feed(std::string_view line, std::size_t lineno) {
     } else {
       id = P.t.slots++;
     }
-    it->second = {id, static_cast<std::uint32_t>(lineno), size, si};
+    it->second = {id, static_cast<std::uint32_t>(lineno), size, si, ti};
     e.id = id;
     e.kind = op::alloc;
     P.live_bytes += size;
@@ -138,6 +175,8 @@ void parser::feed(std::string_view line, std::size_t lineno) {
                          std::to_string(it->second.line));
     e.id = it->second.id;
     e.kind = op::free;
+    if (it->second.thread != ti) ++P.t.cross_thread_frees;
+    if (it->second.stream != si) ++P.t.cross_stream_frees;
     P.free_ids.push_back(it->second.id);
     P.live.erase(it);
     P.live_bytes -= size;
@@ -146,6 +185,11 @@ void parser::feed(std::string_view line, std::size_t lineno) {
   P.t.events.push_back(e);
   P.t.lines.push_back(static_cast<std::uint32_t>(lineno));
   P.t.names.push_back(addr);
+  P.t.thread.push_back(ti);
+  if (v2) {
+    P.t.time_ns.push_back(time);
+    P.last_time_line = static_cast<std::uint32_t>(lineno);
+  }
   P.t.live_after.push_back(P.live_bytes);
   if (P.live_bytes > P.t.peak_live_bytes) {
     P.t.peak_live_bytes = P.live_bytes;

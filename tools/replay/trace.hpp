@@ -1,15 +1,23 @@
-// Allocation traces (format: /work/shared/traces/README.md), parsed whole into memory before any
-// replay, so the timed loop does vector indexing only:
+// Allocation traces (format: docs/trace-format.md), parsed whole into memory before any replay, so
+// the timed loop does vector indexing only. Two versions:
 //
-//     a ADDR SIZE STREAM     allocate SIZE bytes, named ADDR (hex, optional 0x)
-//     f ADDR SIZE STREAM     free ADDR (SIZE repeats the allocation's size)
+//   v1 (no header)                  v2 (first line "# vmmalloc-trace v2")
+//     a ADDR SIZE STREAM              a ADDR SIZE STREAM THREAD TIME
+//     f ADDR SIZE STREAM              f ADDR SIZE STREAM THREAD TIME
+//
+// a = allocate SIZE bytes, named ADDR (hex, optional 0x); f = free ADDR (SIZE repeats the
+// allocation's size). v2 adds the recording thread (THREAD) and the CPU time of the call (TIME,
+// ns since the trace started, never decreasing from one line to the next): the order of the lines
+// is the order the events happened in, across threads.
 //
 // ADDR is a name that is reused after a free. The parser maps each live name to a dense slot id
 // (0 .. slots-1, a slot is reused once its block is freed), so a replay keeps `void* ptr[slots]`
-// and never hashes an address. STREAM (decimal, or hex with 0x) maps to a dense stream index.
-// Blank lines and lines starting with '#' are skipped. Anything else that does not fit -- unknown
-// op, missing or extra fields, bad numbers, allocating a live name, freeing a name that is not live,
-// a free whose size differs from its allocation's -- is a parse_error carrying the line number.
+// and never hashes an address. STREAM and THREAD (decimal, or hex with 0x) map to dense indices.
+// Blank lines and lines starting with '#' (other than the header) are skipped. Anything else that
+// does not fit -- unknown op, missing or extra fields for the version, bad numbers, allocating a
+// live name, freeing a name that is not live, a free whose size differs from its allocation's, a
+// TIME below the previous line's, a header that is not on line 1 or names another version -- is a
+// parse_error carrying the line number.
 // Plain text and gzip are both read through zlib (gzopen reads uncompressed files transparently).
 #pragma once
 
@@ -42,12 +50,17 @@ struct live_block {
 
 struct trace {
   std::string source;
+  int version = 1;                        // 1: no header; 2: "# vmmalloc-trace v2"
   std::vector<event> events;
   // Parallel to events, for error messages and checks only (never read by the timed loop).
   std::vector<std::uint32_t> lines;       // source line of each event (1-based)
   std::vector<std::uint64_t> names;       // ADDR of each event
   std::vector<std::uint64_t> live_after;  // live requested bytes after each event
   std::vector<std::uint64_t> stream_ids;  // dense stream index -> STREAM as written
+  // Threads: v1 traces have one (index 0, recorded id 0). Read by threaded replays to dispatch.
+  std::vector<std::uint16_t> thread;      // dense thread index of each event
+  std::vector<std::uint64_t> thread_ids;  // dense thread index -> THREAD as written
+  std::vector<std::uint64_t> time_ns;     // v2 only (empty in v1): TIME of each event
   std::vector<live_block> live_at_end;    // blocks never freed, in allocation order
 
   std::uint32_t slots = 0;                // ids are < slots (= most blocks live at once)
@@ -56,6 +69,8 @@ struct trace {
   std::size_t peak_live_event = 0;        // index of the event after which that peak is first reached
   std::uint64_t total_alloc_bytes = 0, min_size = 0, max_size = 0;
   std::uint64_t lines_read = 0;
+  std::uint64_t cross_thread_frees = 0;   // frees by another thread than the allocating one
+  std::uint64_t cross_stream_frees = 0;   // frees on another stream than the allocation's
 };
 
 class parse_error : public std::runtime_error {

@@ -1,19 +1,20 @@
 """vmmalloc as CuPy's device allocator.
 
-    import vmmalloc_cupy
-    vmmalloc_cupy.enable()
+    import vmmalloc.cupy as vc
+    vc.enable()
     import cupy
     x = cupy.arange(1 << 20, dtype=cupy.float32)
-    print(vmmalloc_cupy.stats(0)["live"])
+    print(vc.stats(0)["live"])
 
 Every CuPy allocation becomes one vmmalloc block on the current device, ordered on CuPy's current
 stream; it is freed (on that stream) when CuPy drops its last reference. Uses libvmmalloc_torch.so
-through vmmalloc_torch's loader (same search, same environment options), without torch.
+through vmmalloc.torch's loader (same search, same environment options), without torch.
+The old module name, tools/python/vmmalloc_cupy.py, is a shim that imports this one.
 Cost: one ctypes call per allocation and per free, which CuPy's own pool avoids for cached blocks.
 """
 
-import vmmalloc_torch
-from vmmalloc_torch import check, config, last_error, reset_peaks, stats, trim  # noqa: F401
+from . import torch as _vt
+from .torch import check, config, last_error, reset_peaks, stats, trim  # noqa: F401
 
 __all__ = ["enable", "disable", "stats", "trim", "reset_peaks", "check", "config", "last_error"]
 
@@ -65,7 +66,7 @@ def _make_malloc(lib, cupy):
         stream = current_stream().ptr
         ptr = try_malloc(n, dev, stream)
         if not ptr:
-            raise oom(vmmalloc_torch.last_error())  # "vmmalloc: cannot allocate ... on device d: why"
+            raise oom(_vt.last_error())  # "vmmalloc: cannot allocate ... on device d: why"
         owner = _Block(ptr, n, dev, stream, free)
         mem = cupy.cuda.UnownedMemory(ptr, n, owner, device_id=dev)
         return cupy.cuda.MemoryPointer(mem, 0)
@@ -79,10 +80,10 @@ def enable(lib_path=None):
     global _enabled
     import cupy
 
-    lib = vmmalloc_torch.load(lib_path)
+    lib = _vt.load(lib_path)
     cupy.cuda.set_allocator(_make_malloc(lib, cupy))
     _enabled = True
-    return vmmalloc_torch.library_path()
+    return _vt.library_path()
 
 
 def disable():

@@ -1,30 +1,31 @@
 """vmmalloc as PyTorch's CUDA allocator, and vmmalloc's stats from Python.
 
-    import vmmalloc_torch
-    vmmalloc_torch.enable()          # before the first CUDA allocation of the process
+    import vmmalloc.torch as vt
+    vt.enable()                      # before the first CUDA allocation of the process
     import torch
     x = torch.randn(1 << 20, device="cuda")
-    print(vmmalloc_torch.stats(0)["peak_mapped"])
+    print(vt.stats(0)["peak_mapped"])
 
 The library is libvmmalloc_torch.so (src/integrations/, target vmmalloc_torch). enable() finds it
-through, in order: its argument, $VMMALLOC_TORCH_LIB, this module's folder, the repository's build
-folders (build*/src/integrations/). Options come from the environment (VMMALLOC_RESERVATION,
-VMMALLOC_RELEASE_THRESHOLD, VMMALLOC_MEMORY_LIMIT, VMMALLOC_PEERS, VMMALLOC_TRACE, ...: see
-src/integrations/vmmalloc_torch.h), read when a device's allocator is created.
+through, in order: its argument, $VMMALLOC_TORCH_LIB, the package's library folders (_paths.py),
+$VMMALLOC_LIB_DIR, the repository's build folders (build*/src/integrations/). Options come from the
+environment (VMMALLOC_RESERVATION, VMMALLOC_RELEASE_THRESHOLD, VMMALLOC_MEMORY_LIMIT, VMMALLOC_PEERS,
+VMMALLOC_TRACE, ...: see src/integrations/vmmalloc_torch.h), read when a device's allocator is created.
 
 Only enable() needs torch; stats(), trim(), reset_peaks(), check() and the loader work without it
-(vmmalloc_cupy uses them). An allocation that fails raises RuntimeError in PyTorch (its pluggable
+(vmmalloc.cupy uses them). An allocation that fails raises RuntimeError in PyTorch (its pluggable
 allocator does not map it to torch.cuda.OutOfMemoryError); last_error() holds the message too.
+The old module name, tools/python/vmmalloc_torch.py, is a shim that imports this one.
 """
 
 import ctypes
-import glob
 import os
+
+from ._lib import find_library as _find
 
 __all__ = ["enable", "enabled", "find_library", "load", "stats", "trim", "reset_peaks", "check",
            "flush_trace", "config", "last_error", "library_path"]
 
-_LIB_NAME = "libvmmalloc_torch.so"
 _lib = None
 _lib_path = None
 _torch_allocator = None  # keeps the CUDAPluggableAllocator alive
@@ -32,25 +33,7 @@ _torch_allocator = None  # keeps the CUDAPluggableAllocator alive
 
 def find_library(lib_path=None):
     """The path of libvmmalloc_torch.so; FileNotFoundError listing where it looked."""
-    tried = []
-    if lib_path:
-        cands = [lib_path]
-    else:
-        cands = []
-        if os.environ.get("VMMALLOC_TORCH_LIB"):
-            cands.append(os.environ["VMMALLOC_TORCH_LIB"])
-        here = os.path.dirname(os.path.abspath(__file__))
-        cands.append(os.path.join(here, _LIB_NAME))
-        root = os.path.dirname(os.path.dirname(here))  # tools/python -> repository root
-        built = glob.glob(os.path.join(root, "build*", "src", "integrations", _LIB_NAME))
-        cands.extend(sorted(built, key=os.path.getmtime, reverse=True))  # newest build first
-    for c in cands:
-        tried.append(c)
-        if os.path.isfile(c):
-            return os.path.abspath(c)
-    raise FileNotFoundError(
-        "vmmalloc_torch: %s not found (looked at: %s); build the vmmalloc_torch target or set "
-        "VMMALLOC_TORCH_LIB" % (_LIB_NAME, ", ".join(tried) or "nothing"))
+    return _find("torch", lib_path)
 
 
 def _bind(lib):
@@ -81,7 +64,7 @@ def load(lib_path=None):
     global _lib, _lib_path
     if _lib is not None:
         if lib_path and os.path.realpath(lib_path) != os.path.realpath(_lib_path):
-            raise RuntimeError("vmmalloc_torch: already loaded from %s, not %s" % (_lib_path, lib_path))
+            raise RuntimeError("vmmalloc.torch: already loaded from %s, not %s" % (_lib_path, lib_path))
         return _lib
     path = find_library(lib_path)
     lib = ctypes.CDLL(path)
@@ -112,15 +95,15 @@ def enable(lib_path=None, init_device=0):
     if _torch_allocator is not None:
         return _lib_path
     if not torch.cuda.is_available():  # counts devices only: does not initialize the allocator
-        raise RuntimeError("vmmalloc_torch.enable(): PyTorch sees no CUDA device")
+        raise RuntimeError("vmmalloc.torch.enable(): PyTorch sees no CUDA device")
     lib = load(lib_path)
     if init_device is not None and lib.vmm_torch_init(int(init_device)) != 0:
-        raise RuntimeError("vmmalloc_torch.enable(): " + last_error())
+        raise RuntimeError("vmmalloc.torch.enable(): " + last_error())
     alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, "vmm_torch_malloc", "vmm_torch_free")
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as e:
-        raise RuntimeError("vmmalloc_torch.enable() must run before the first CUDA allocation of "
+        raise RuntimeError("vmmalloc.torch.enable() must run before the first CUDA allocation of "
                            "the process: %s" % e) from e
     _torch_allocator = alloc
     return _lib_path

@@ -1,0 +1,13 @@
+"""The old name of vmmalloc.torch (python/vmmalloc/torch.py): `import vmmalloc_torch` gives that
+module itself, so its functions and state are shared with `import vmmalloc.torch`."""
+
+import os
+import sys
+
+_PKG_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+if os.path.isdir(os.path.join(_PKG_ROOT, "vmmalloc")) and _PKG_ROOT not in sys.path:
+    sys.path.insert(0, _PKG_ROOT)
+
+import vmmalloc.torch as _module  # noqa: E402
+
+sys.modules[__name__] = _module

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""transformers' generate() with DynamicCache, StaticCache and vmmalloc's VmmCache, on a GPU.
+"""transformers' generate() with DynamicCache, VmmCache (vmmalloc) and StaticCache, on a GPU.
 
-A Llama built from a LlamaConfig (16 layers, hidden 512, 8 heads, 4 KV heads of 64, bf16, SDPA;
-random weights from a fixed seed, nothing downloaded) decodes greedily from left-padded prompts
-(batch row b is shorter by b/16 of the prompt, so padding is exercised). Each (prompt, new tokens,
-batch) point runs every cache in this one process, after a warm-up. Reported per run: wall time,
-tokens/s (batch x new tokens / time), peak memory (torch.cuda.max_memory_allocated, plus
-vmmalloc's peak mapped bytes for VmmCache, whose pages torch does not see), the KV cache's bytes,
-and whether the generated tokens equal DynamicCache's.
+A Llama built from a LlamaConfig (16 layers, hidden 512, 8 heads, 4 KV heads of 64, bf16; random
+weights from a fixed seed, nothing downloaded) decodes greedily from left-padded prompts (batch
+row b is shorter by b/16 of the prompt, so padding is exercised). Each (prompt, new tokens, batch)
+point runs every cache in this one process, after a warm-up. Reported per run: wall time, tokens/s
+(batch x new tokens / time), peak memory (torch.cuda.max_memory_allocated, plus vmmalloc's peak
+mapped bytes for VmmCache, whose pages torch does not see), the KV cache's bytes, and whether the
+generated tokens equal DynamicCache's.
 
 VmmCache's tokens must equal DynamicCache's (the same kernels read the same numbers): a mismatch
 fails the run (exit 1). StaticCache attends over its whole max_cache_len, so its kernels sum in
@@ -15,13 +15,21 @@ another order and bf16 argmax ties may flip: its differences are reported, and f
 --strict-static. generate() would torch.compile the forward for a StaticCache; that is off
 (--static-compile turns it on) so every cache runs the same eager model.
 
-Grids (--quick, --full, or your own with --prompts/--new-tokens/--batches):
-  --quick   prompts 32, 16 new tokens, batch 1 and 4: a few seconds after the imports
-  --full    128 and 4096-token prompts x 1024 new x batch 1 and 8, then 16384 new tokens for
-            (4096, batch 8) and (128, batch 1): the points are run in that order while the time
-            budget (--budget, default 440 s for --full) allows; a point whose estimated time does
-            not fit is reported as skipped (budget). The whole run stays under 8 minutes.
-  --grid all  the full cross product of the lists (long: hours with 16384 new tokens at every point)
+Attention is eager by default: with a padding mask, SDPA took ~54 ms a decode step against ~14 ms
+for eager (H200, torch 2.11, transformers 5.17, DynamicCache; StaticCache's fixed-length mask
+does not hit it), which would leave no time for the grid. --attn sdpa measures it anyway.
+A decode step costs ~14 ms whatever the batch (launch-bound): 1,024 new tokens ~15 s a run,
+16,384 ~4 minutes.
+
+Grids (--quick, --full, --long, or your own with --prompts/--new-tokens/--batches):
+  --quick   prompts 32, 16 new tokens, batch 1 and 4: seconds after the imports
+  --full    prompts 128 and 4096 x 1024 new tokens x batch 1 and 8 (~4 minutes), then 16384 new
+            tokens at (4096, batch 8) and (128, batch 1) while the time budget (--budget, default
+            440 s for --full) allows: a run whose estimated time does not fit is reported as
+            skipped (budget), so the whole run stays under 8 minutes.
+  --long    prompt 4096, 16384 new tokens, batch 8, DynamicCache and VmmCache (~8 minutes: a
+            call of its own; budget 570 s)
+  --grid all  the cross product of the lists (hours with 16384 new tokens everywhere)
 
 Output: a markdown table on stdout, and kv_transformers.json + kv_transformers.md in --out
 (default $VMM_OUT when set, else ./kv-transformers-out).
@@ -48,7 +56,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 T_START = time.perf_counter()
 CACHES = ("dynamic", "vmm", "static")  # run in this order: StaticCache is the one a tight budget drops
 FULL_POINTS = [(128, 1024, 1), (128, 1024, 8), (4096, 1024, 1), (4096, 1024, 8), (4096, 16384, 8),
-               (128, 16384, 1), (4096, 16384, 1), (128, 16384, 8)]
+               (128, 16384, 1)]
+LONG_POINTS = [(4096, 16384, 8)]
 
 
 def ints(s):
@@ -60,11 +69,12 @@ def parse():
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a few seconds: a smoke test")
     mode.add_argument("--full", action="store_true", help="the benchmark grid, under 8 minutes")
+    mode.add_argument("--long", action="store_true", help="16384 new tokens, DynamicCache and VmmCache")
     p.add_argument("--prompts", type=ints, help="prompt lengths, e.g. 128,4096")
     p.add_argument("--new-tokens", type=ints, help="new tokens per sequence, e.g. 1024,16384")
     p.add_argument("--batches", type=ints, help="batch sizes, e.g. 1,8")
     p.add_argument("--grid", choices=("all",), help="all: the cross product of the lists")
-    p.add_argument("--caches", default=",".join(CACHES), help="comma list of dynamic,vmm,static")
+    p.add_argument("--caches", help="comma list of dynamic,vmm,static (default all; --long: dynamic,vmm)")
     p.add_argument("--budget", type=float, help="seconds for the whole run (points that would not fit "
                                                 "are skipped); default 440 for --full, none otherwise")
     p.add_argument("--layers", type=int, default=16)
@@ -73,12 +83,14 @@ def parse():
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    p.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     p.add_argument("--map-ahead-tokens", type=int, default=0, help="VmmCache's map-ahead thread (0: off)")
     p.add_argument("--static-compile", action="store_true", help="let generate() compile for StaticCache")
     p.add_argument("--strict-static", action="store_true", help="StaticCache token differences fail the run")
     p.add_argument("--out", default=os.environ.get("VMM_OUT") or "kv-transformers-out")
     a = p.parse_args()
+    if a.caches is None:
+        a.caches = "dynamic,vmm" if a.long else ",".join(CACHES)
     caches = [c.strip() for c in a.caches.split(",") if c.strip()]
     bad = [c for c in caches if c not in CACHES]
     if bad or not caches:
@@ -88,6 +100,10 @@ def parse():
     a.caches = [c for c in CACHES if c in caches]
     if a.quick:
         points = [(32, 16, 1), (32, 16, 4)]
+    elif a.long and not (a.prompts or a.new_tokens or a.batches or a.grid):
+        points = list(LONG_POINTS)
+        if a.budget is None:
+            a.budget = 570.0
     elif a.full and not (a.prompts or a.new_tokens or a.batches or a.grid):
         points = list(FULL_POINTS)
         if a.budget is None:

@@ -82,7 +82,7 @@ def main():
     def generate(model, ids, mask, cache, new, **kw):
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, **kw)
+                                 do_sample=False, **kw)  # no EOS: always `new` tokens
         return out[:, ids.shape[1]:]
 
     def same_cache(dyn, vmm, rows=None):

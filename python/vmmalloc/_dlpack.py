@@ -63,7 +63,7 @@ _capsule_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
 def byte_tensor(ptr, nbytes, device, owner):
     """A 1-D torch.uint8 tensor of `nbytes` at `ptr`, on the CPU (device None) or CUDA device
     `device`, holding a reference to `owner` until the tensor and all its views are gone."""
-    import torch
+    from torch.utils.dlpack import from_dlpack
 
     key = next(_keys)
     shape = (ctypes.c_int64 * 1)(int(nbytes))
@@ -81,7 +81,7 @@ def byte_tensor(ptr, nbytes, device, owner):
     _live[key] = (m, shape, strides, owner)
     cap = _capsule_new(ctypes.addressof(m), b"dltensor", None)
     try:
-        return torch.utils.dlpack.from_dlpack(cap)
+        return from_dlpack(cap)  # takes the capsule, renames it "used_dltensor", owns the deleter
     finally:
         if _capsule_valid(cap, b"dltensor"):  # not consumed (the import failed): no deleter will come
             _live.pop(key, None)

@@ -530,7 +530,7 @@ class TorchOnHost(unittest.TestCase):
             k = kv.k(s, 1)
             self.assertEqual(tuple(k.shape), (5, 2, 8))
             self.assertEqual(k.data_ptr(), kv.k_ptr(s, 1))
-            x = torch.arange(5 * 16, dtype=torch.bfloat16).view(5, 2, 8)
+            x = torch.arange(5 * 16).to(torch.bfloat16).view(5, 2, 8)  # integers < 256: exact in bf16
             kv.store(s, 1, 0, k=x, v=-x)
             kv.append(s, 50)
             self.assertTrue(torch.equal(kv.k(s, 1)[:5], x))

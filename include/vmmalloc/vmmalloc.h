@@ -106,6 +106,145 @@ vmm_status vmm_last_status(void);
 const char* vmm_last_error(void); /* "" when the last call on this thread succeeded */
 const char* vmm_status_string(vmm_status s);
 
+/* ---- Growable buffer (vmm::growable_buffer, growable_buffer.hpp) -------------------------------
+ * One buffer that grows and shrinks in place: its data pointer never changes, old bytes are never
+ * copied (growth maps chunks at the tail of one reservation).
+ *
+ *   vmm_buffer_options o; vmm_buffer_options_init(&o);
+ *   o.capacity_limit = (size_t)64 << 30;            // VA reserved once; nothing mapped yet
+ *   vmm_buffer* b;
+ *   if (vmm_buffer_create(&o, &b) != VMM_SUCCESS) fprintf(stderr, "%s\n", vmm_last_error());
+ *   vmm_buffer_resize(b, 1 << 30);                  // maps 1 GiB; vmm_buffer_data(b) is stable
+ *   vmm_buffer_destroy(b);                          // unmaps, releases, frees the reservation
+ *
+ * Same conventions as above: a status and the thread-local last error (the C++ exception's
+ * message), a failed growth changes nothing. Calls on one buffer are serialised by a lock of its
+ * own (the C++ class is single-threaded; the lock costs ~20 ns a call). */
+typedef struct vmm_buffer vmm_buffer;
+
+typedef struct vmm_buffer_options {
+  vmm_backend_kind backend;   /* VMM_BACKEND_CUDA (default) or VMM_BACKEND_HOST */
+  int device;                 /* owner device */
+  size_t capacity_limit;      /* required (> 0): the most bytes the buffer will ever hold */
+  size_t min_chunk;           /* smallest chunk one growth maps; 0: the granularity */
+  int geometric;              /* nonzero: chunks of at least half the mapped bytes (O(log n) growths) */
+  const int* peers;           /* peer_count devices granted read_write on every chunk (may be NULL) */
+  size_t peer_count;
+  size_t host_granularity;    /* host backend only; 0: 2 MiB */
+  size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */
+} vmm_buffer_options;
+
+typedef struct vmm_buffer_info {
+  void* data;                 /* the base: never changes for the buffer's life */
+  size_t size;                /* bytes in use (what resize set) */
+  size_t capacity;            /* bytes mapped (>= size) */
+  size_t capacity_limit;      /* as created */
+  size_t reserved;            /* VA reserved: capacity_limit rounded up to the granularity */
+  size_t granularity;
+  size_t chunks;              /* chunks mapped (one handle and one map each) */
+  /* backend calls made (attempts, retries included); failures = calls refused */
+  uint64_t reserve_calls, create_calls, map_calls, set_access_calls, unmap_calls, release_calls, failures;
+  /* host backend only (0 on CUDA): the backend's live objects, for leak checks */
+  size_t live_handles, live_mappings, live_reservations;
+} vmm_buffer_info;
+
+void vmm_buffer_options_init(vmm_buffer_options* options); /* CUDA device 0, no limit set */
+vmm_status vmm_buffer_create(const vmm_buffer_options* options, vmm_buffer** out);
+void vmm_buffer_destroy(vmm_buffer* b); /* NULL is a no-op */
+/* Sets the size: growing maps one chunk at the tail (VMM_ERROR_OUT_OF_MEMORY past capacity_limit
+ * or physical memory, nothing changed); shrinking unmaps the chunks wholly past the new size. */
+vmm_status vmm_buffer_resize(vmm_buffer* b, size_t size);
+vmm_status vmm_buffer_reserve(vmm_buffer* b, size_t bytes); /* maps up to bytes; size unchanged */
+vmm_status vmm_buffer_shrink_to_fit(vmm_buffer* b);         /* unmaps the chunks past the size */
+void* vmm_buffer_data(const vmm_buffer* b);  /* NULL (and the last error) for a NULL buffer */
+size_t vmm_buffer_size(const vmm_buffer* b); /* 0 for NULL */
+size_t vmm_buffer_capacity(const vmm_buffer* b);
+vmm_status vmm_buffer_get_info(const vmm_buffer* b, vmm_buffer_info* out);
+
+/* ---- KV cache (vmm::kv_cache, kv_cache.hpp) -----------------------------------------------------
+ * One reservation of 2 x layers buffers, each max_seqs rows of one sequence's K (or V) of one
+ * layer; a row's pages are mapped as its sequence grows. Token t of sequence s, layer l:
+ *   K at base + (2 l) buffer_stride + s seq_stride + t token_bytes,   V at (2 l + 1) buffer_stride.
+ *
+ *   vmm_kv_config c; vmm_kv_config_init(&c);
+ *   c.layers = 32; c.kv_heads = 8; c.head_dim = 128; c.max_seqs = 64; c.max_tokens = 4096;
+ *   vmm_kv_cache* kv; vmm_kv_create(&c, &kv);
+ *   size_t s; vmm_kv_open(kv, &s); vmm_kv_append(kv, s, 1500, NULL);
+ *   void* k0; vmm_kv_k(kv, s, 0, &k0);               // 1500 tokens of layer 0's K, contiguous
+ *   vmm_kv_close(kv, s); vmm_kv_destroy(kv);
+ *
+ * Every call is thread-safe. Errors: VMM_ERROR_OUT_OF_MEMORY past max_tokens, past physical memory
+ * or with every slot open; VMM_ERROR_INVALID_VALUE for an unknown or closed sequence; state is
+ * left as it was. */
+typedef struct vmm_kv_cache vmm_kv_cache;
+
+typedef struct vmm_kv_config {
+  vmm_backend_kind backend;   /* VMM_BACKEND_CUDA (default) or VMM_BACKEND_HOST */
+  int device;
+  size_t layers, kv_heads, head_dim; /* required (> 0) */
+  size_t elem_bytes;          /* default 2 (fp16 / bf16) */
+  size_t max_seqs;            /* required: slots (sequences open at once) */
+  size_t max_tokens;          /* required: per sequence */
+  size_t page_size;           /* 0: the granularity; else a multiple of it */
+  size_t map_ahead_pages;     /* map-ahead thread: whole pages kept mapped ahead of need */
+  size_t map_ahead_tokens;    /* ... or tokens ahead; both 0: no thread */
+  size_t pool_keep_pages;     /* what vmm_kv_trim(kv, VMM_KV_KEEP_DEFAULT, ...) keeps pooled */
+  int retain_closed;          /* nonzero: a closed slot keeps its pages mapped for the next open */
+  const int* peers;           /* peer_count devices granted read_write on every page (may be NULL) */
+  size_t peer_count;
+  size_t host_granularity;    /* host backend only; 0: 2 MiB */
+  size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */
+} vmm_kv_config;
+
+typedef struct vmm_kv_layout {
+  void* base;                 /* the reservation; k(s, l) = base + 2 l B + s S */
+  size_t reserved;            /* 2 x layers x buffer_stride */
+  size_t token_bytes;         /* T: one token of one layer's K (or V) */
+  size_t seq_stride;          /* S: round_up(max_tokens x T, page_size) */
+  size_t buffer_stride;       /* B: max_seqs x S */
+  size_t page_size, tokens_per_page, max_pages, granularity;
+  size_t layers, kv_heads, head_dim, elem_bytes, max_seqs, max_tokens; /* as configured */
+} vmm_kv_layout;
+
+typedef struct vmm_kv_seq_info {
+  int open;                   /* 0: the slot is free (the other fields are then 0) */
+  size_t length;              /* tokens */
+  size_t mapped_pages;        /* per buffer (the sequence holds 2 x layers x this) */
+  size_t capacity;            /* tokens the mapped pages hold */
+} vmm_kv_seq_info;
+
+typedef struct vmm_kv_stats {
+  uint64_t pages_created, pages_reused, pages_released;
+  size_t pages_mapped, pages_pooled, mapped_bytes, used_bytes, open_seqs;
+  uint64_t appends, driver_calls, append_driver_calls, map_ahead_driver_calls, map_ahead_pages,
+      map_ahead_failures, append_waits, failures;
+  size_t pages_retained;
+  uint64_t pages_retained_reused, pages_reclaimed;
+  /* host backend only (0 on CUDA): the backend's live objects, for leak checks */
+  size_t live_handles, live_mappings, live_reservations;
+} vmm_kv_stats;
+
+#define VMM_KV_KEEP_DEFAULT ((size_t)-1) /* vmm_kv_trim: keep the config's pool_keep_pages */
+
+void vmm_kv_config_init(vmm_kv_config* config); /* CUDA device 0, elem_bytes 2, the rest 0 */
+vmm_status vmm_kv_create(const vmm_kv_config* config, vmm_kv_cache** out);
+void vmm_kv_destroy(vmm_kv_cache* kv); /* NULL is a no-op; unmaps and releases everything */
+vmm_status vmm_kv_open(vmm_kv_cache* kv, size_t* seq);       /* the lowest free slot (see retain_closed) */
+vmm_status vmm_kv_open_slot(vmm_kv_cache* kv, size_t slot);  /* that slot, which must be free */
+/* Adds n tokens to seq, mapping the pages they need; *old_length (may be NULL) gets where they start. */
+vmm_status vmm_kv_append(vmm_kv_cache* kv, size_t seq, size_t n, size_t* old_length);
+vmm_status vmm_kv_truncate(vmm_kv_cache* kv, size_t seq, size_t n); /* n <= length */
+vmm_status vmm_kv_close(vmm_kv_cache* kv, size_t seq);
+/* Releases pooled pages beyond keep_pages; *released (may be NULL) gets how many. */
+vmm_status vmm_kv_trim(vmm_kv_cache* kv, size_t keep_pages, size_t* released);
+vmm_status vmm_kv_wait_map_ahead(vmm_kv_cache* kv);
+/* Layer `layer`'s K (V) of slot seq (any slot in range: only mapped bytes may be touched). */
+vmm_status vmm_kv_k(const vmm_kv_cache* kv, size_t seq, size_t layer, void** out);
+vmm_status vmm_kv_v(const vmm_kv_cache* kv, size_t seq, size_t layer, void** out);
+vmm_status vmm_kv_get_seq(const vmm_kv_cache* kv, size_t seq, vmm_kv_seq_info* out);
+vmm_status vmm_kv_get_layout(const vmm_kv_cache* kv, vmm_kv_layout* out);
+vmm_status vmm_kv_get_stats(const vmm_kv_cache* kv, vmm_kv_stats* out);
+
 #ifdef __cplusplus
 }
 #endif

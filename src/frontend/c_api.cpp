@@ -6,6 +6,7 @@
 #include <string>
 #include <type_traits>
 
+#include "backend/c_status.hpp"  // the last error, shared with the buffer's and KV cache's C API
 #include "vmmalloc/vmmalloc.hpp"
 
 struct vmm_allocator {
@@ -15,21 +16,16 @@ struct vmm_allocator {
 vmm::allocator& vmm::from_c(vmm_allocator* a) noexcept { return a->a; }
 
 namespace {
-thread_local vmm_status tl_status = VMM_SUCCESS;
-thread_local std::string tl_message;
-
-vmm_status to_c(vmm::errc e) { return static_cast<vmm_status>(static_cast<int>(e)); }
-vmm_status set(vmm_status s, std::string msg) {
-  tl_status = s;
-  tl_message = std::move(msg);
-  return s;
-}
-vmm_status ok() { return set(VMM_SUCCESS, {}); }
+using vmm::c_api::invalid;
+using vmm::c_api::ok;
+using vmm::c_api::set;
+using vmm::c_api::tl_message;
+using vmm::c_api::tl_status;
+using vmm::c_api::to_c;
 vmm_status from_last() {
   auto& le = vmm::last_error();
   return set(to_c(le.st.kind), le.message);
 }
-vmm_status invalid(const char* what) { return set(VMM_ERROR_INVALID_VALUE, what); }
 // A C caller may store any int in an enum field; reading it as the C++ enum type would be
 // undefined for out-of-range values, so read the bytes as an int.
 template <class E>

@@ -5,8 +5,8 @@
  * pluggable path never calls cuMemSetAccess. No link to libtorch or libcuda: the driver is loaded
  * at run time by vmmalloc, so this header needs no CUDA header either (streams are void*).
  *
- * Python: tools/python/vmmalloc_torch.py (enable(), stats(), trim(), reset_peaks(), check()),
- *         tools/python/vmmalloc_cupy.py (enable()).
+ * Python: vmmalloc.torch (python/vmmalloc/torch.py: enable(), stats(), trim(), reset_peaks(), check()),
+ *         vmmalloc.cupy (enable()); tools/python/ keeps shims under the old module names.
  *
  * Environment, read when a device's allocator is created (first allocation on that device): every
  * option with a variable in README.md's options table (VMMALLOC_MEMORY_LIMIT=8G, ...; the table is

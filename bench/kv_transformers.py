@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""transformers' generate() with DynamicCache, VmmCache (vmmalloc) and StaticCache, on a GPU.
+
+A Llama built from a LlamaConfig (16 layers, hidden 512, 8 heads, 4 KV heads of 64, bf16; random
+weights from a fixed seed, nothing downloaded) decodes greedily from left-padded prompts (batch
+row b is shorter by b/16 of the prompt, so padding is exercised). Each (prompt, new tokens, batch)
+point runs every cache in this one process, after a warm-up. Reported per run: wall time, tokens/s
+(batch x new tokens / time), peak memory (torch.cuda.max_memory_allocated, plus vmmalloc's peak
+mapped bytes for VmmCache, whose pages torch does not see), the KV cache's bytes, and whether the
+generated tokens equal DynamicCache's.
+
+VmmCache's tokens must equal DynamicCache's (the same kernels read the same numbers): a mismatch
+fails the run (exit 1). StaticCache attends over its whole max_cache_len, so its kernels sum in
+another order and bf16 argmax ties may flip: its differences are reported, and fail only with
+--strict-static. generate() would torch.compile the forward for a StaticCache; that is off
+(--static-compile turns it on) so every cache runs the same eager model.
+
+Attention is eager by default: with a padding mask, SDPA took ~54 ms a decode step against ~14 ms
+for eager (H200, torch 2.11, transformers 5.17, DynamicCache; StaticCache's fixed-length mask
+does not hit it), which would leave no time for the grid. --attn sdpa measures it anyway.
+A decode step costs ~14 ms whatever the batch (launch-bound): 1,024 new tokens ~15 s a run,
+16,384 ~4 minutes.
+
+Grids (--quick, --full, --long, or your own with --prompts/--new-tokens/--batches):
+  --quick   prompts 32, 16 new tokens, batch 1 and 4: seconds after the imports
+  --full    prompts 128 and 4096 x 1024 new tokens x batch 1 and 8 (~4 minutes), then 16384 new
+            tokens at (4096, batch 8) and (128, batch 1) while the time budget (--budget, default
+            440 s for --full) allows: a run whose estimated time does not fit is reported as
+            skipped (budget), so the whole run stays under 8 minutes.
+  --long    prompt 4096, 16384 new tokens, batch 8, DynamicCache and VmmCache (~8-9 minutes: a
+            call of its own; budget 590 s: if DynamicCache's run leaves too little, VmmCache's is
+            reported as skipped and --budget 1200 is needed where a call may run longer)
+  --grid all  the cross product of the lists (hours with 16384 new tokens everywhere)
+
+Output: a markdown table on stdout, and kv_transformers.json + kv_transformers.md in --out
+(default $VMM_OUT when set, else ./kv-transformers-out).
+Exit 0: passed. 1: a VmmCache mismatch or error (or a StaticCache one with --strict-static).
+77: no torch, transformers or CUDA device.
+
+    VMMALLOC_LIB_DIR=build/src python3 bench/kv_transformers.py --quick
+    VMMALLOC_LIB_DIR=build/src python3 bench/kv_transformers.py --full --out gpu-check-out
+"""
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.normpath(os.path.join(HERE, "..", "python")))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+T_START = time.perf_counter()
+CACHES = ("dynamic", "vmm", "static")  # run in this order: StaticCache is the one a tight budget drops
+FULL_POINTS = [(128, 1024, 1), (128, 1024, 8), (4096, 1024, 1), (4096, 1024, 8), (4096, 16384, 8),
+               (128, 16384, 1)]
+LONG_POINTS = [(4096, 16384, 8)]
+
+
+def ints(s):
+    return [int(x) for x in str(s).split(",") if x.strip()]
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a few seconds: a smoke test")
+    mode.add_argument("--full", action="store_true", help="the benchmark grid, under 8 minutes")
+    mode.add_argument("--long", action="store_true", help="16384 new tokens, DynamicCache and VmmCache")
+    p.add_argument("--prompts", type=ints, help="prompt lengths, e.g. 128,4096")
+    p.add_argument("--new-tokens", type=ints, help="new tokens per sequence, e.g. 1024,16384")
+    p.add_argument("--batches", type=ints, help="batch sizes, e.g. 1,8")
+    p.add_argument("--grid", choices=("all",), help="all: the cross product of the lists")
+    p.add_argument("--caches", help="comma list of dynamic,vmm,static (default all; --long: dynamic,vmm)")
+    p.add_argument("--budget", type=float, help="seconds for the whole run (points that would not fit "
+                                                "are skipped); default 440 for --full, none otherwise")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
+    p.add_argument("--map-ahead-tokens", type=int, default=0, help="VmmCache's map-ahead thread (0: off)")
+    p.add_argument("--static-compile", action="store_true", help="let generate() compile for StaticCache")
+    p.add_argument("--strict-static", action="store_true", help="StaticCache token differences fail the run")
+    p.add_argument("--out", default=os.environ.get("VMM_OUT") or "kv-transformers-out")
+    a = p.parse_args()
+    if a.caches is None:
+        a.caches = "dynamic,vmm" if a.long else ",".join(CACHES)
+    caches = [c.strip() for c in a.caches.split(",") if c.strip()]
+    bad = [c for c in caches if c not in CACHES]
+    if bad or not caches:
+        p.error("--caches: unknown %s (choose from %s)" % (bad, ",".join(CACHES)))
+    if "dynamic" not in caches:
+        caches.insert(0, "dynamic")  # the reference every other cache is compared with
+    a.caches = [c for c in CACHES if c in caches]
+    if a.quick:
+        points = [(32, 16, 1), (32, 16, 4)]
+    elif a.long and not (a.prompts or a.new_tokens or a.batches or a.grid):
+        points = list(LONG_POINTS)
+        if a.budget is None:
+            a.budget = 590.0
+    elif a.full and not (a.prompts or a.new_tokens or a.batches or a.grid):
+        points = list(FULL_POINTS)
+        if a.budget is None:
+            a.budget = 440.0
+    else:
+        prompts = a.prompts or [128, 4096]
+        news = a.new_tokens or [1024, 16384]
+        batches = a.batches or [1, 8]
+        points = [(pl, nt, b) for nt in news for pl in prompts for b in batches]  # cheap ones first
+    a.points = points
+    return a
+
+
+def main():
+    a = parse()
+    try:
+        import torch
+        import transformers
+        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+    except Exception as e:
+        print("kv_transformers: skipped: torch/transformers not importable (%s)" % e)
+        return 77
+    if not torch.cuda.is_available():
+        print("kv_transformers: skipped: no CUDA device")
+        return 77
+    import vmmalloc
+    from vmmalloc.hf import VmmCache
+
+    dev = torch.device("cuda", 0)
+    dtype = getattr(torch, a.dtype)
+    max_len = max(pl + nt for pl, nt, _ in a.points)
+    cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.hidden * 11 // 4,
+                      num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                      head_dim=a.hidden // a.heads, max_position_embeddings=max(max_len, 4096), rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+                      attn_implementation=a.attn)
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(cfg).to(device=dev, dtype=dtype).eval()
+    gen_cfg = model.generation_config
+    gen_cfg.eos_token_id = None  # fixed lengths: every run decodes exactly `new` tokens
+    gen_cfg.pad_token_id = 0
+    if hasattr(gen_cfg, "disable_compile"):
+        gen_cfg.disable_compile = not a.static_compile
+    token_bytes = a.kv_heads * (a.hidden // a.heads) * torch.empty((), dtype=dtype).element_size()
+    meta = {
+        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+        "transformers": transformers.__version__, "vmmalloc_library": vmmalloc.find_library(),
+        "model": {"layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
+                  "head_dim": a.hidden // a.heads, "vocab": a.vocab, "dtype": a.dtype, "attn": a.attn,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "token_bytes_per_layer_kv": token_bytes, "caches": a.caches, "budget_s": a.budget,
+        "map_ahead_tokens": a.map_ahead_tokens, "static_compile": a.static_compile,
+    }
+    print("%s; torch %s, transformers %s; Llama %d layers, hidden %d, %d/%d heads, %s, %s; %d parameters"
+          % (meta["device"], meta["torch"], meta["transformers"], a.layers, a.hidden, a.heads, a.kv_heads,
+             a.dtype, a.attn, meta["model"]["parameters"]), flush=True)
+
+    def prompts(pl, batch):
+        g = torch.Generator().manual_seed(pl * 1000 + batch)
+        ids = torch.zeros(batch, pl, dtype=torch.long)
+        mask = torch.zeros(batch, pl, dtype=torch.long)
+        for b in range(batch):
+            n = max(1, pl - (pl * b) // 16)  # row b is b/16 shorter: left padding
+            ids[b, pl - n:] = torch.randint(3, a.vocab, (n,), generator=g)
+            mask[b, pl - n:] = 1
+        return ids.to(dev), mask.to(dev)
+
+    def make_cache(kind, batch, length):
+        if kind == "dynamic":
+            return DynamicCache(config=model.config)
+        if kind == "static":
+            return StaticCache(config=model.config, max_cache_len=length)
+        return VmmCache(model.config, max_batch_size=batch, max_cache_len=length,
+                        map_ahead_tokens=a.map_ahead_tokens)
+
+    def run(kind, pl, nt, batch):
+        ids, mask = prompts(pl, batch)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        cache = make_cache(kind, batch, pl + nt)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=nt,
+                                 do_sample=False)
+        torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        r = {"cache": kind, "prompt": pl, "new": nt, "batch": batch, "seconds": secs,
+             "tokens_per_s": batch * nt / secs, "torch_peak_allocated": torch.cuda.max_memory_allocated(dev),
+             "torch_peak_reserved": torch.cuda.max_memory_reserved(dev), "torch_base_allocated": base,
+             "kv_logical_bytes": 2 * a.layers * batch * (pl + nt) * token_bytes}
+        r["vmm_peak_mapped"] = 0
+        if kind == "vmm":
+            m = cache.memory()
+            r["vmm_peak_mapped"] = m["peak_mapped_bytes"]
+            r["vmm_driver_calls"] = m["driver_calls"]
+            r["vmm_used_bytes"] = m["used_bytes"]
+            cache.destroy()
+        r["peak_bytes"] = r["torch_peak_allocated"] + r["vmm_peak_mapped"]
+        r["kv_bytes"] = r["vmm_peak_mapped"] if kind == "vmm" else (
+            2 * a.layers * batch * (pl + nt) * token_bytes if kind == "static" else r["kv_logical_bytes"])
+        tokens = out[:, pl:].cpu()
+        if tokens.shape != (batch, nt):
+            raise RuntimeError("%s generated %s tokens, not %s" % (kind, tuple(tokens.shape), (batch, nt)))
+        del cache, out
+        return r, tokens
+
+    # Warm-up: kernels, cuBLAS handles, the allocator's first segments, vmmalloc's library.
+    for kind in a.caches:
+        run(kind, 16, 4, 2)
+
+    rows, failures, notes = [], [], []
+    per_step = {}    # batch -> seconds per generated token step (the slowest cache so far)
+    point_secs = {}  # (prompt, new, batch) -> the slowest run of that point so far
+    for pl, nt, batch in a.points:
+        ref = None
+        for kind in a.caches:
+            elapsed = time.perf_counter() - T_START
+            est = None
+            if (pl, nt, batch) in point_secs:  # another cache ran this point: about the same time
+                est = point_secs[(pl, nt, batch)] * 1.05 + 2.0
+            elif per_step:  # seconds per decode step measured so far: the same batch, else the slowest
+                sps = per_step.get(batch, max(per_step.values()))
+                est = nt * sps * 1.15 + 2.0 + pl * batch / 20000.0  # decode + prefill, generous
+            if a.budget is not None and est is not None and elapsed + est > a.budget:
+                rows.append({"cache": kind, "prompt": pl, "new": nt, "batch": batch, "skipped": "budget",
+                             "estimated_s": est})
+                print("skip  %-7s prompt %5d new %5d batch %d: ~%.0f s does not fit the budget (%.0f of %.0f s used)"
+                      % (kind, pl, nt, batch, est, elapsed, a.budget), flush=True)
+                continue
+            try:
+                r, tokens = run(kind, pl, nt, batch)
+            except Exception as e:
+                traceback.print_exc()
+                r = {"cache": kind, "prompt": pl, "new": nt, "batch": batch, "error": "%s: %s" % (type(e).__name__, e)}
+                rows.append(r)
+                if kind != "static" or a.strict_static:
+                    failures.append("%s prompt %d new %d batch %d: %s" % (kind, pl, nt, batch, r["error"]))
+                else:
+                    notes.append("static prompt %d new %d batch %d failed: %s" % (pl, nt, batch, r["error"]))
+                continue
+            per_step[batch] = max(per_step.get(batch, 0.0), r["seconds"] / nt)
+            point_secs[(pl, nt, batch)] = max(point_secs.get((pl, nt, batch), 0.0), r["seconds"])
+            if kind == "dynamic":
+                ref = tokens
+                r["tokens_equal"] = True
+            elif ref is None:
+                r["tokens_equal"] = None
+            else:
+                eq = torch.equal(tokens, ref)
+                r["tokens_equal"] = bool(eq)
+                if not eq:
+                    diff = (tokens != ref).nonzero()
+                    row, pos = int(diff[0, 0]), int(diff[0, 1])
+                    r["first_difference"] = {"row": row, "position": pos, "differing": int(diff.shape[0])}
+                    msg = ("%s prompt %d new %d batch %d: tokens differ from DynamicCache's (first at row %d, "
+                           "new token %d; %d of %d differ)" % (kind, pl, nt, batch, row, pos, diff.shape[0],
+                                                               tokens.numel()))
+                    if kind == "vmm" or a.strict_static:
+                        failures.append(msg)
+                    else:
+                        notes.append(msg + " -- StaticCache sums over max_cache_len: another order")
+            rows.append(r)
+            print("%-7s prompt %5d new %5d batch %d: %7.2f s, %8.1f tok/s, peak %8.1f MiB, kv %8.1f MiB, equal %s"
+                  % (kind, pl, nt, batch, r["seconds"], r["tokens_per_s"], r["peak_bytes"] / 2**20,
+                     r["kv_bytes"] / 2**20, r["tokens_equal"]), flush=True)
+
+    total = time.perf_counter() - T_START
+    md = table(rows, meta, total, failures, notes)
+    print()
+    print(md)
+    os.makedirs(a.out, exist_ok=True)
+    result = {"meta": meta, "rows": rows, "failures": failures, "notes": notes, "seconds": total,
+              "passed": not failures}
+    with open(os.path.join(a.out, "kv_transformers.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(a.out, "kv_transformers.md"), "w") as f:
+        f.write(md + "\n")
+    print("written: %s/kv_transformers.{json,md}" % a.out)
+    print("kv_transformers: %s (%.0f s)" % ("passed" if not failures else "FAILED", total))
+    return 0 if not failures else 1
+
+
+def mib(n):
+    return "%.1f" % (n / 2**20)
+
+
+def table(rows, meta, total, failures, notes):
+    m = meta["model"]
+    out = ["### transformers generate(): DynamicCache vs StaticCache vs VmmCache", "",
+           "%s, torch %s, transformers %s. Llama %d layers, hidden %d, %d heads / %d KV heads of %d, %s, %s "
+           "attention, greedy, left-padded prompts. Peak = torch.cuda.max_memory_allocated (+ vmmalloc's peak "
+           "mapped bytes for VmmCache). KV = the cache's bytes (VmmCache: mapped; StaticCache: preallocated; "
+           "DynamicCache: its tensors at the end)." % (meta["device"], meta["torch"], meta["transformers"],
+                                                      m["layers"], m["hidden"], m["heads"], m["kv_heads"],
+                                                      m["head_dim"], m["dtype"], m["attn"]), "",
+           "| prompt | new | batch | cache | time s | tokens/s | peak MiB | KV MiB | tokens == Dynamic |",
+           "|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        head = "| %d | %d | %d | %s " % (r["prompt"], r["new"], r["batch"], r["cache"])
+        if "skipped" in r:
+            out.append(head + "| skipped (time budget: ~%.0f s) | | | | |" % r["estimated_s"])
+        elif "error" in r:
+            out.append(head + "| error: %s | | | | |" % r["error"].replace("|", "/")[:120])
+        else:
+            eq = {True: "yes", False: "**NO**", None: "-"}[r["tokens_equal"]]
+            out.append(head + "| %.2f | %.1f | %s | %s | %s |" % (r["seconds"], r["tokens_per_s"], mib(r["peak_bytes"]),
+                                                               mib(r["kv_bytes"]), eq))
+    out.append("")
+    out.append("Whole run: %.0f s. %s" % (total, "PASSED" if not failures else "FAILED"))
+    for f in failures:
+        out.append("- FAIL: " + f)
+    for n in notes:
+        out.append("- note: " + n)
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

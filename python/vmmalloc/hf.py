@@ -1,0 +1,508 @@
+"""VmmCache: a transformers Cache whose keys and values live in a vmmalloc KVCache.
+
+    from vmmalloc.hf import VmmCache
+    cache = VmmCache(model.config, max_batch_size=8, max_cache_len=8192)
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=512)
+    cache.reset()     # the generation is over: slots closed, pages kept mapped for the next one
+    ...
+    cache.release()   # physical memory back to the device (the address range stays reserved)
+
+How it maps onto transformers' Cache API (written against transformers 5.17's cache_utils.py,
+checked at run time; 4.56+ has the same layered API with older signatures, also accepted):
+  * One vmmalloc KVCache holds every layer: layers x (K, V) buffers of max_batch_size rows of
+    max_cache_len tokens, token-major ([token][kv_heads][head_dim]), so a row's pages are
+    mapped only as its tokens arrive and the waste is under one 2 MiB page per layer, K|V and row.
+    It is created at the first update (dtype, device, kv_heads and head_dim come from the key
+    states); only virtual address space is reserved up front (~3 us, whatever the size).
+  * Batch row b is sequence slot b. Left padding needs nothing special: every row has the same
+    length (pad positions are masked by transformers), so each new token is one append per row.
+  * Cache.layers holds one VmmLayer per model layer (CacheLayerMixin). update() appends the new
+    tokens to every row when this layer is the first to pass the current length (mapping pages only
+    when a row crosses a page), copies the key/value states in (one copy kernel each, the same as
+    DynamicLayer's torch.cat minus the copy of the old tokens), and returns views [B, H, 0:len, D]
+    of the same memory: last dimension contiguous, strides (seq_stride, head_dim, kv_heads *
+    head_dim, 1), accepted by SDPA (flash, efficient, math) and eager attention. Old tokens never move.
+  * get_seq_length / get_mask_sizes / get_max_length behave as DynamicLayer's (kv_length = cached +
+    query, offset 0), so masks and positions are the ones DynamicCache gets: same numbers.
+  * reset() ends the sequences (slots closed; with retain_closed, the default, their pages stay
+    mapped and the next generation reuses them with no driver call); release() also returns the
+    physical memory; crop() truncates every row; reorder_cache / batch_select_indices /
+    batch_repeat_interleave gather rows (a copy, like DynamicLayer's index_select).
+  * Not supported (clear errors): sliding-window, chunked or linear-attention layers, keys and
+    values of different head sizes, offloading, torch.compile (is_compileable is False, so
+    generate() does not compile), deepcopy.
+Before anything is unmapped (reset, crop, release, a smaller batch) the device is synchronised:
+kernels still reading the tokens must finish first.
+"""
+
+import weakref
+
+try:
+    import torch
+except ImportError as e:  # pragma: no cover - depends on the machine
+    raise ImportError("vmmalloc.hf needs torch: %s" % e) from e
+try:
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as e:
+    raise ImportError("vmmalloc.hf needs transformers with the layered Cache API (transformers.cache_utils."
+                      "CacheLayerMixin: 4.56 or later; written for 5.x): %s" % e) from e
+
+from ._lib import InvalidValueError, OutOfMemoryError, Status
+from .kv import KVCache
+
+__all__ = ["VmmCache", "VmmLayer"]
+
+_TRANSFORMERS_MAJOR = int(str(getattr(transformers, "__version__", "5")).split(".")[0] or 5)
+
+
+def _invalid(msg):
+    return InvalidValueError(msg, Status.INVALID_VALUE)
+
+
+class VmmLayer(CacheLayerMixin):
+    """One model layer's view of a VmmCache. The rows (sequences) are shared by all layers, so
+    crop / reset / reorder on a layer act on the whole cache."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = True
+
+    def __init__(self, cache, layer_idx):
+        super().__init__()
+        self._cache_ref = weakref.ref(cache)  # the cache owns its layers: no cycle
+        self.layer_idx = layer_idx
+        self.cached = 0  # tokens this layer holds (layers catch up one by one within a forward)
+
+    @property
+    def _cache(self):
+        c = self._cache_ref()
+        if c is None:
+            raise _invalid("VmmLayer %d: its VmmCache is gone" % self.layer_idx)
+        return c
+
+    def __repr__(self):
+        return "VmmLayer(%d, tokens=%d)" % (self.layer_idx, self.cached)
+
+    # ---- CacheLayerMixin ---------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states, value_states=None):
+        self._cache._lazy_init(key_states, key_states if value_states is None else value_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # *args / **kwargs: cache_kwargs in transformers 4.x, nothing in 5.x; nothing is needed.
+        return self._cache._update(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length, *args, **kwargs):
+        # 5.x passes the query length; 4.x passes cache_position (its length is the query length).
+        q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return self.cached + q, 0
+
+    def get_seq_length(self, *args, **kwargs):
+        return self.cached
+
+    def get_max_length(self):
+        return self._cache._max_cache_len
+
+    def get_max_cache_shape(self, *args, **kwargs):  # 4.x name
+        return self._cache._max_cache_len
+
+    @property
+    def batch_size(self):
+        return self._cache._batch
+
+    @property
+    def max_batch_size(self):
+        return self._cache.max_batch_size
+
+    @property
+    def max_cache_len(self):
+        return self._cache._max_cache_len
+
+    def crop(self, tokens_to_remove):
+        self._cache.crop(tokens_to_remove)
+
+    def reset(self):
+        self._cache.reset()
+
+    def reorder_cache(self, beam_idx):
+        self._cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats):
+        self._cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices):
+        self._cache.batch_select_indices(indices)
+
+    def offload(self):
+        pass  # the memory is the cache's own mapping: nothing to move
+
+    def prefetch(self):
+        pass
+
+
+class VmmCache(Cache):
+    """A transformers Cache on a vmmalloc KVCache (see the module's docstring).
+
+    config: the model's config (num_hidden_layers, max_position_embeddings; its layer types are
+      checked: only full attention). Or num_layers without a config.
+    max_batch_size: rows (sequence slots); None = the batch size of the first update.
+    max_cache_len: tokens per row (prompt + new tokens); None = config.max_position_embeddings.
+      Costs only virtual address space: 2 x layers x rows x round_up(len x token bytes, 2 MiB).
+    backend: "cuda" or "host"; None = from the key states' device (cpu -> host memory).
+    retain_closed (default True): reset() keeps the pages mapped for the next generation.
+    map_ahead_tokens / map_ahead_pages: a background thread maps pages ahead of the rows, so
+      decoding makes no driver call (costs the memory mapped ahead).
+    page_size: 0 = the granularity (2 MiB). pool_keep_pages: what release() keeps pooled (default 0).
+    """
+
+    def __init__(self, config=None, max_batch_size=None, max_cache_len=None, num_layers=None, backend=None,
+                 retain_closed=True, map_ahead_tokens=0, map_ahead_pages=0, page_size=0, pool_keep_pages=0,
+                 host_physical_limit=0):
+        dec = None
+        if config is not None:
+            dec = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            _check_layer_types(dec)
+            if num_layers is None:
+                num_layers = dec.num_hidden_layers
+            if max_cache_len is None:
+                max_cache_len = getattr(dec, "max_position_embeddings", None)
+        if not num_layers:
+            raise _invalid("VmmCache: give the model's config or num_layers")
+        if not max_cache_len:
+            raise _invalid("VmmCache: give max_cache_len (the config has no max_position_embeddings)")
+        if max_batch_size is not None and int(max_batch_size) <= 0:
+            raise _invalid("VmmCache: max_batch_size must be > 0 (%r)" % (max_batch_size,))
+        self._max_cache_len = int(max_cache_len)
+        self._max_batch_size = None if max_batch_size is None else int(max_batch_size)
+        self._backend = backend
+        self._kv_opts = dict(retain_closed=retain_closed, map_ahead_tokens=map_ahead_tokens,
+                             map_ahead_pages=map_ahead_pages, page_size=page_size, pool_keep_pages=pool_keep_pages,
+                             host_physical_limit=host_physical_limit)
+        self._kv = None        # the vmmalloc KVCache, made at the first update
+        self._flat = None      # its reservation as a 1-D tensor of the cache's dtype
+        self._batch = 0        # rows open (slots 0 .. batch-1)
+        self._tokens = 0       # tokens appended to every open row
+        self._peak_mapped = 0  # bytes, over the cache's life
+        layers = [VmmLayer(self, i) for i in range(int(num_layers))]
+        try:
+            super().__init__(layers=layers)
+        except TypeError as e:
+            raise ImportError("vmmalloc.hf: transformers %s's Cache takes no layers (the layered Cache API "
+                              "came in 4.56): %s" % (transformers.__version__, e)) from e
+
+    # ---- creation ----------------------------------------------------------------------------
+
+    def _lazy_init(self, k, v):
+        if k.dim() != 4:
+            raise _invalid("VmmCache: key states must be [batch, heads, tokens, head_dim], not %s" % (tuple(k.shape),))
+        B, H, _, D = k.shape
+        if v.shape[-1] != D:
+            raise NotImplementedError("VmmCache: keys (head_dim %d) and values (head_dim %d) of different sizes"
+                                      % (D, v.shape[-1]))
+        if self._kv is not None:
+            self._check_states(None, k, v)
+            return
+        dev = k.device
+        backend = self._backend or ("cuda" if dev.type == "cuda" else "host" if dev.type == "cpu" else None)
+        if backend is None:
+            raise NotImplementedError("VmmCache: tensors on %s (only cuda and cpu)" % dev)
+        if (backend == "cuda") != (dev.type == "cuda"):
+            raise _invalid("VmmCache: backend %r cannot hold tensors on %s" % (backend, dev))
+        index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
+        rows = self._max_batch_size or int(B)
+        self._kv = KVCache(layers=len(self.layers), kv_heads=int(H), head_dim=int(D), max_seqs=rows,
+                           max_tokens=self._max_cache_len, dtype=k.dtype, backend=backend, device=index,
+                           **self._kv_opts)
+        self._max_batch_size = rows
+        self._dtype, self._device = k.dtype, torch.device("cuda", index) if dev.type == "cuda" else dev
+        self._H, self._D = int(H), int(D)
+        self._flat = self._kv.flat_tensor(k.dtype)
+        st = self._kv.strides()
+        self._strides = (st[2], st[4], st[3], st[5])  # [row, head, token, dim]: a [B, H, T, D] view
+        self._hd = st[3]                              # elements per token
+        self._offsets = [(2 * l * st[1], (2 * l + 1) * st[1]) for l in range(len(self.layers))]
+
+    def _check_states(self, layer, k, v):
+        if k.dim() != 4 or v.shape != k.shape:
+            raise _invalid("VmmCache%s: key states %s and value states %s must both be [batch, heads, tokens, "
+                           "head_dim]" % (_at(layer), tuple(k.shape), tuple(v.shape)))
+        if k.shape[1] != self._H or k.shape[3] != self._D:
+            raise _invalid("VmmCache%s: states have %d heads of %d; the cache holds %d heads of %d"
+                           % (_at(layer), k.shape[1], k.shape[3], self._H, self._D))
+        if k.dtype != self._dtype or v.dtype != self._dtype:
+            raise _invalid("VmmCache%s: states of dtype %s / %s; the cache holds %s"
+                           % (_at(layer), k.dtype, v.dtype, self._dtype))
+        if k.device != self._device or v.device != self._device:
+            raise _invalid("VmmCache%s: states on %s / %s; the cache is on %s" % (_at(layer), k.device, v.device,
+                                                                                  self._device))
+
+    # ---- the update path ---------------------------------------------------------------------
+
+    def _view(self, layer, kind, rows, start, n):
+        """[rows, H, n, D] over tokens [start, start + n) of K (kind 0) or V (1) of a layer."""
+        return torch.as_strided(self._flat, (rows, self._H, n, self._D), self._strides,
+                                self._offsets[layer][kind] + start * self._hd)
+
+    def _update(self, l, k, v):
+        layer = self.layers[l]
+        if not layer.is_initialized or self._kv is None:
+            layer.lazy_initialization(k, v)
+        self._check_states(l, k, v)
+        B, n = int(k.shape[0]), int(k.shape[2])
+        if self._batch == 0:
+            self._open_rows(B)
+        elif B != self._batch:
+            raise _invalid("VmmCache (layer %d): batch of %d rows, but %d are open; call reset() between "
+                           "generations" % (l, B, self._batch))
+        old = layer.cached
+        new = old + n
+        if new > self._tokens:
+            self._grow(new)
+        if n:
+            self._view(l, 0, B, old, n).copy_(k)
+            self._view(l, 1, B, old, n).copy_(v)
+        keys, values = self._view(l, 0, B, 0, new), self._view(l, 1, B, 0, new)
+        layer.keys, layer.values, layer.cached = keys, values, new
+        return keys, values
+
+    def _open_rows(self, B, first=0):
+        rows = self._max_batch_size
+        if B > rows:
+            raise OutOfMemoryError("VmmCache: a batch of %d rows exceeds max_batch_size %d" % (B, rows),
+                                   Status.OUT_OF_MEMORY)
+        opened = []
+        try:
+            for s in range(first, B):
+                self._kv.open(s)
+                opened.append(s)
+        except Exception:
+            for s in opened:
+                self._kv.close(s)
+            raise
+        self._batch = B
+
+    def _grow(self, new, rows=None):
+        """Appends to rows (default: every open row) up to `new` tokens; all or nothing."""
+        rows = range(self._batch) if rows is None else rows
+        kv, add = self._kv, new - self._tokens
+        done = []
+        try:
+            for s in rows:
+                kv.append(s, add)
+                done.append(s)
+        except Exception:
+            for s in done:  # pages just mapped: no GPU work uses them yet
+                kv.truncate(s, self._tokens)
+            raise
+        before = kv.pages_for(self._tokens)
+        self._tokens = new
+        if kv.pages_for(new) != before:  # pages were mapped: one stats call, not one per token
+            self._note_peak()
+
+    def _note_peak(self):
+        if self._kv is not None:
+            self._peak_mapped = max(self._peak_mapped, self._kv.stats()["mapped_bytes"])
+
+    def _sync(self):
+        if self._kv is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    # ---- Cache -------------------------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx=0):
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].cached
+
+    def get_mask_sizes(self, query_length, layer_idx=0):
+        if layer_idx >= len(self.layers):
+            q = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+            return q, 0
+        return self.layers[layer_idx].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx=None):
+        return self._max_cache_len
+
+    def get_max_cache_shape(self, layer_idx=0):  # 4.x name
+        return self._max_cache_len
+
+    @property
+    def max_cache_len(self):
+        return self._max_cache_len
+
+    @property
+    def max_batch_size(self):
+        return self._max_batch_size if self._max_batch_size is not None else -1
+
+    def reset(self):
+        """Ends every sequence: rows closed, lengths 0. With retain_closed (default) the pages stay
+        mapped in their slots and the next generation reuses them without a driver call."""
+        if self._kv is not None and self._batch:
+            self._sync()
+            self._note_peak()
+            for s in range(self._batch):
+                self._kv.close(s)
+        self._batch = 0
+        self._tokens = 0
+        for layer in self.layers:
+            layer.cached = 0
+            layer.keys = layer.values = None
+
+    def release(self, keep_pages=0):
+        """reset() and return the physical memory (pooled and retained pages beyond keep_pages).
+        The address range stays reserved for the next generation. Returns the pages released."""
+        self.reset()
+        return self._kv.trim(keep_pages) if self._kv is not None else 0
+
+    def destroy(self):
+        """Unmaps and releases everything and frees the reservation; the next update starts over."""
+        if self._kv is not None:
+            self._sync()
+            self._note_peak()
+        self._batch = 0
+        self._tokens = 0
+        for layer in self.layers:
+            layer.cached = 0
+            layer.keys = layer.values = None
+            layer.is_initialized = False
+        self._flat = None
+        if self._kv is not None:
+            self._kv.destroy()
+            self._kv = None
+
+    def crop(self, tokens_to_remove):
+        """Shortens every row. Negative: removes that many tokens; positive: keeps that many (the
+        legacy meaning); 0: nothing (transformers 5), or everything (transformers 4)."""
+        n = int(tokens_to_remove)
+        cur = self._tokens
+        if n < 0:
+            new = max(cur + n, 0)
+        elif n == 0:
+            new = 0 if _TRANSFORMERS_MAJOR < 5 else cur
+        else:
+            new = min(n, cur)
+        if new >= cur or self._kv is None:
+            return
+        self._sync()
+        for s in range(self._batch):
+            self._kv.truncate(s, new)
+        self._tokens = new
+        for l, layer in enumerate(self.layers):
+            layer.cached = min(layer.cached, new)
+            if layer.keys is not None:
+                layer.keys = self._view(l, 0, self._batch, 0, layer.cached)
+                layer.values = self._view(l, 1, self._batch, 0, layer.cached)
+
+    def reorder_cache(self, beam_idx):
+        self._gather(beam_idx)
+
+    def batch_select_indices(self, indices):
+        self._gather(indices)
+
+    def batch_repeat_interleave(self, repeats):
+        if self._batch:
+            self._gather(torch.arange(self._batch, device=self._device).repeat_interleave(int(repeats)))
+
+    def _gather(self, index):
+        """Row r becomes old row index[r] in every layer (a copy through a temporary)."""
+        if self._kv is None or self._batch == 0:
+            return
+        idx = torch.as_tensor(index, device=self._device)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        idx = idx.long().flatten()
+        new_b, old_b = int(idx.numel()), self._batch
+        if new_b > self._max_batch_size:
+            raise OutOfMemoryError("VmmCache: %d rows exceed max_batch_size %d" % (new_b, self._max_batch_size),
+                                   Status.OUT_OF_MEMORY)
+        if new_b and (int(idx.min()) < 0 or int(idx.max()) >= old_b):
+            raise _invalid("VmmCache: row index out of range (%d rows open)" % old_b)
+        saved = [(self._view(l, 0, old_b, 0, layer.cached).index_select(0, idx),
+                  self._view(l, 1, old_b, 0, layer.cached).index_select(0, idx)) if layer.cached else None
+                 for l, layer in enumerate(self.layers)]
+        if new_b < old_b:
+            self._sync()
+            for s in range(new_b, old_b):
+                self._kv.close(s)
+            self._batch = new_b
+        elif new_b > old_b:
+            self._open_rows(new_b, first=old_b)
+            try:
+                tokens, self._tokens = self._tokens, 0
+                self._grow(tokens, rows=range(old_b, new_b))
+            except Exception:
+                self._tokens = tokens
+                for s in range(old_b, new_b):
+                    self._kv.close(s)
+                self._batch = old_b
+                raise
+        for l, layer in enumerate(self.layers):
+            if saved[l] is None:
+                continue
+            k, v = saved[l]
+            self._view(l, 0, new_b, 0, layer.cached).copy_(k)
+            self._view(l, 1, new_b, 0, layer.cached).copy_(v)
+            layer.keys = self._view(l, 0, new_b, 0, layer.cached)
+            layer.values = self._view(l, 1, new_b, 0, layer.cached)
+
+    # ---- vmmalloc's side ---------------------------------------------------------------------
+
+    @property
+    def kv(self):
+        """The vmmalloc KVCache (None before the first update)."""
+        return self._kv
+
+    def memory(self):
+        """{"mapped_bytes", "used_bytes", "peak_mapped_bytes", "reserved_bytes", "pages_mapped",
+        "pages_pooled", "pages_retained", "driver_calls", "rows", "tokens"}: what the cache holds now
+        and the most it mapped (bytes of the device's memory: not in torch.cuda.memory_allocated)."""
+        if self._kv is None:
+            return {"mapped_bytes": 0, "used_bytes": 0, "peak_mapped_bytes": self._peak_mapped, "reserved_bytes": 0,
+                    "pages_mapped": 0, "pages_pooled": 0, "pages_retained": 0, "driver_calls": 0, "rows": 0,
+                    "tokens": 0}
+        s = self._kv.stats()
+        self._peak_mapped = max(self._peak_mapped, s["mapped_bytes"])
+        return {"mapped_bytes": s["mapped_bytes"], "used_bytes": s["used_bytes"],
+                "peak_mapped_bytes": self._peak_mapped, "reserved_bytes": self._kv.reserved,
+                "pages_mapped": s["pages_mapped"], "pages_pooled": s["pages_pooled"],
+                "pages_retained": s["pages_retained"], "driver_calls": s["driver_calls"], "rows": self._batch,
+                "tokens": self._tokens}
+
+    def __repr__(self):
+        return "VmmCache(layers=%d, rows=%d, tokens=%d, max_batch_size=%s, max_cache_len=%d)" % (
+            len(self.layers), self._batch, self._tokens, self._max_batch_size, self._max_cache_len)
+
+    def __deepcopy__(self, memo):
+        raise NotImplementedError("VmmCache cannot be deep-copied: its memory is one vmmalloc reservation "
+                                  "(copy the tensors of cache.layers[i].keys / values instead)")
+
+    def __copy__(self):
+        raise NotImplementedError("VmmCache cannot be copied: its memory is one vmmalloc reservation")
+
+    def __reduce__(self):
+        raise TypeError("VmmCache cannot be pickled: its memory is one vmmalloc reservation")
+
+
+def _at(layer):
+    return "" if layer is None else " (layer %d)" % layer
+
+
+def _check_layer_types(cfg):
+    """Only full attention: a sliding window, chunked or linear-attention layer keeps a different
+    set of tokens, which this cache does not model."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        other = sorted(set(t for t in types if t != "full_attention"))
+        if other:
+            raise NotImplementedError("VmmCache: layer types %s are not supported (only full_attention)" % other)
+    elif getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        raise NotImplementedError("VmmCache: sliding-window attention (config.sliding_window=%s) is not supported"
+                                  % cfg.sliding_window)
+    elif getattr(cfg, "attention_chunk_size", None) is not None:
+        raise NotImplementedError("VmmCache: chunked attention is not supported")
+    if getattr(cfg, "num_kv_shared_layers", None):
+        raise NotImplementedError("VmmCache: shared KV layers (num_kv_shared_layers) are not supported")

@@ -211,6 +211,48 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
   }
 }
 
+TEST_CASE("streams: memory freed on S while S runs behind serves S's next growth, not new memory") {
+  // The GPU behind the CPU: S's fences stay pending. Free chunks S alone may still use are
+  // retired (their handles mapped where S's next request needs them, their old VA unmapped once
+  // S catches up) instead of skipped; another stream never gets them early.
+  vmm::options o = conf::small_options();
+  o.max_growth = 2 * MiB;  // chunks of 2 MiB: a 3-chunk request must be stitched from them
+  auto [hb, a] = vmm::test::make_host_alloc(o);
+  auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
+  std::vector<void*> v;
+  for (int i = 0; i < 6; ++i) v.push_back(a.allocate(2 * MiB, 0, s1));  // one chunk each
+  void* keep = a.allocate(2 * MiB, 0, s1);
+  for (int i = 0; i < 6; i += 2) a.deallocate(v[i], s1);  // three free chunks, not adjacent
+  hb->hold_stream(s1);  // S1's work on them is still running
+  const auto before = a.stats();
+  CHECK(before.free_chunk_bytes >= 6 * MiB);
+  // Another stream may not take them while S1 runs: it gets new memory.
+  void* other = a.allocate(5 * MiB, 0, s2);
+  CHECK(a.stats().chunks_retired == before.chunks_retired);
+  CHECK(a.stats().physical > before.physical);
+  const auto mid = a.stats();
+  // S1 itself: its next growth maps the retired handles, no new memory.
+  void* big = a.allocate(6 * MiB, 0, s1);
+  const auto after = a.stats();
+  CHECK(after.chunks_retired > mid.chunks_retired);
+  CHECK(after.retiring > 0);                 // old VA still mapped: S1 may still be using it
+  CHECK(after.physical <= mid.physical);     // no memory created for the request
+  host_traits::fill(big, 6 * MiB, 42);
+  CHECK(host_traits::verify(big, 6 * MiB, 42));
+  CHECK(a.check() == "");
+  hb->complete_stream(s1);
+  a.trim(0);                                 // S1 caught up: the retired ranges are unmapped
+  CHECK(a.stats().retiring == 0);
+  CHECK(a.check() == "");
+  a.deallocate(big, s1);
+  a.deallocate(other, s2);
+  a.deallocate(keep, s1);
+  for (int i = 1; i < 6; i += 2) a.deallocate(v[i], s1);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(hb->live_mappings() == 0);
+}
+
 TEST_CASE("streams: small blocks freed on another stream wait for that stream's fence") {
   vmm::options o = conf::small_options();
   o.thread_cache = false;  // the heap's own rules, slot by slot

@@ -33,6 +33,10 @@ struct allocator_stats {
   std::uint64_t allocs = 0, frees = 0, live = 0, deferred = 0;
   std::uint64_t grows = 0, chunk_releases = 0, trims = 0, stitched = 0, compression_fallbacks = 0;
   std::uint64_t reclaims = 0;           // out-of-memory paths that gave free memory back and retried
+  // Free chunks whose memory served a request of the stream that freed them while that stream's
+  // work was still running (the GPU behind the CPU); their old VA stays mapped until it is done.
+  std::uint64_t chunks_retired = 0;
+  std::size_t retiring = 0;             // bytes of VA of such chunks not yet unmapped
   std::size_t compressed = 0;           // mapped bytes the driver granted compression for
   std::uint64_t ipc_fallbacks = 0;      // fabric asked for, POSIX fds used
   std::uint64_t access_changes = 0;     // grant/revoke calls that changed the access table

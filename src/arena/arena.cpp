@@ -53,6 +53,8 @@ arena::~arena() {
     (void)vm::driver::twice([&] { return drv_.unmap(c.va, c.size); });
     (void)vm::driver::twice([&] { return drv_.release(c.handle); });
   }
+  (void)poll_retiring(true);
+  for (const auto& r : retiring_) (void)vm::driver::twice([&] { return drv_.unmap(r.va, r.size); });
   for (auto& e : idle_) (void)vm::driver::twice([&] { return drv_.release(e.second); });
   (void)strays_.retry(drv_);
   (void)res_.reset();
@@ -63,9 +65,22 @@ void arena::idle_put(mem_handle h, std::size_t size) {
   idle_bytes_ += size;
 }
 
+bool arena::note_release_of_aliased(mem_handle h, std::size_t size) {
+  for (auto& r : retiring_)
+    if (r.h == h && !r.released) {
+      r.released = true;  // the memory stays until the retired range is unmapped: still counted
+      retired_held_ += size;
+      return true;
+    }
+  return false;
+}
+
 void arena::release_or_park(mem_handle h, std::size_t size) {
   status st = drv_.release(h);
-  if (st.ok()) return;
+  if (st.ok()) {
+    (void)note_release_of_aliased(h, size);
+    return;
+  }
   // Refused: the handle is still ours. Parked; release_idle(), the next mapping or teardown retry.
   strays_.add_handle(h, size);
   if (parked_error_.ok()) parked_error_ = st;
@@ -126,17 +141,26 @@ void arena::give_hole(std::uintptr_t va, std::size_t size) {
   holes_.emplace(va, size);
 }
 
-result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner) {
+bool arena::aliased(mem_handle h) const {
+  for (const auto& r : retiring_)
+    if (r.h == h && !r.released) return true;
+  return false;
+}
+
+result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
+                                        std::size_t* mapped) {
   if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
   (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
-  std::uintptr_t va = 0;
-  if (at) {
-    if (!hole_at(at, size)) return {0, fail(errc::out_of_memory, "map", "no hole at the requested address")};
-    va = at;
-  } else {
+  (void)poll_retiring(false);  // retired ranges whose stream caught up give their VA back
+  auto hole_for = [&](std::size_t n) -> std::uintptr_t {
+    if (at) return hole_at(at, n) ? at : 0;
     for (auto& [hs, hn] : holes_)
-      if (hn >= size) { va = hs; break; }
-    if (!va) return {0, fail(errc::out_of_memory, "cuMemAddressReserve", "reservation exhausted")};
+      if (hn >= n) return hs;
+    return 0;
+  };
+  if (!hole_for(size)) {
+    return {0, at ? fail(errc::out_of_memory, "map", "no hole at the requested address")
+                  : fail(errc::out_of_memory, "cuMemAddressReserve", "reservation exhausted")};
   }
 
   // Pieces: idle handles first (largest that fit), then one created handle for the rest.
@@ -149,29 +173,38 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       else idle_put(pieces[i].h, pieces[i].size);
     }
   };
-  for (std::size_t off = 0; off < size;) {
-    const std::size_t want = size - off;
+  std::size_t total = 0;
+  while (total < size) {
+    const std::size_t want = size - total;
     auto it = idle_.upper_bound(want);  // first idle handle larger than want
     if (it != idle_.begin()) {
       --it;  // largest idle handle <= want
+    } else if (mapped) {
+      // Every idle handle is larger than what is left. A retired one holds its memory until its
+      // old range goes: map the smallest such whole (the rest of the range is free span memory).
+      while (it != idle_.end() && !(aliased(it->second) && hole_for(total + it->first))) ++it;
+    } else {
+      it = idle_.end();
+    }
+    if (it != idle_.end()) {
       pieces.push_back({it->first, it->second, false});
       idle_bytes_ -= it->first;
       taken += it->first;
       idle_.erase(it);
-      off += pieces.back().size;
+      total += pieces.back().size;
       continue;
     }
     // Idle handles that could not serve this request only add to the footprint: release them
     // before creating more (peak physical stays close to peak mapped).
     if (opt_.stitch_on_grow && idle_bytes_) {
-      if (status r = release_idle(0); !r.ok()) {
+      if (status r = release_idle(0, true); !r.ok()) {
         give_back(0);
         return {0, r};
       }
     }
     // The limit is checked before the create: everything held, the pieces taken for this range
     // included, plus what the create would add.
-    const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes() + taken;
+    const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes() + retired_held_ + taken;
     if (want > opt_.memory_limit || physical > opt_.memory_limit - want) {
       give_back(0);
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
@@ -182,8 +215,12 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       return {0, c.st};
     }
     pieces.push_back({want, c.value, true});
-    off += want;
+    total += want;
   }
+  const std::uintptr_t va = hole_for(total);
+  assert(va);  // checked for size, and for every larger total before a piece made it so
+  size = total;
+  if (mapped) *mapped = total;
 
   const std::size_t strays_before = strays_.size();
   status st{};
@@ -280,17 +317,65 @@ status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
   return {};
 }
 
-status arena::release_idle(std::size_t keep) {
+status arena::release_idle(std::size_t keep, bool keep_retired) {
   status parked = retry_strays();
+  (void)poll_retiring(false);
   // Largest first: fewest driver calls for the bytes returned.
-  while (idle_bytes_ > keep && !idle_.empty()) {
-    auto it = std::prev(idle_.end());
+  auto it = idle_.end();
+  while (idle_bytes_ > keep && it != idle_.begin()) {
+    --it;
+    if (keep_retired && aliased(it->second)) continue;
     if (status st = drv_.release(it->second); !st.ok()) return st;
+    (void)note_release_of_aliased(it->second, it->first);
     idle_bytes_ -= it->first;
-    idle_.erase(it);
+    it = idle_.erase(it);
   }
   if (!parked.ok() && parked_error_.ok()) parked_error_ = parked;
   return {};
+}
+
+void arena::retire_chunk(std::uint32_t id, fence_t fence) {
+  chunk& c = chunks_[id];
+  assert(c.size && c.used == 0);
+  lru_remove(id);
+  for (std::size_t pg = page_of(c.va), e = pg + c.size / gran_; pg < e; ++pg) page_map_[pg] = no_chunk;
+  mapped_ -= c.size;
+  if (c.compressed) compressed_bytes_ -= c.size;
+  --chunk_count_;
+  retiring_.push_back({c.va, c.size, c.handle, fence, false});
+  ++retired_count_;
+  idle_put(c.handle, c.size);
+  c = chunk{};
+  free_slots_.push_back(id);
+}
+
+status arena::poll_retiring(bool wait) {
+  status first{};
+  for (std::size_t i = 0; i < retiring_.size();) {
+    retired& r = retiring_[i];
+    if (r.fence && !drv_.fence_done(r.fence)) {
+      if (!wait) {
+        ++i;
+        continue;
+      }
+      if (status w = drv_.wait_fence(r.fence); !w.ok()) {  // still running: stays retired
+        if (first.ok()) first = w;
+        ++i;
+        continue;
+      }
+    }
+    if (status u = vm::driver::twice([&] { return drv_.unmap(r.va, r.size); }); !u.ok()) {
+      if (first.ok()) first = u;  // stays mapped: retried by the next poll
+      ++i;
+      continue;
+    }
+    if (r.fence) drv_.drop_fence(r.fence);
+    give_hole(r.va, r.size);
+    if (r.released) retired_held_ -= r.size;
+    retiring_[i] = retiring_.back();
+    retiring_.pop_back();
+  }
+  return first;
 }
 
 void arena::lru_push(std::uint32_t id) {
@@ -325,14 +410,14 @@ void arena::sub_used(std::uint32_t id, std::size_t n) {
 }
 
 void arena::note_peaks() {
-  const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes();
+  const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes() + retired_held_;
   peak_mapped_ = std::max(peak_mapped_, mapped_);
   peak_physical_ = std::max(peak_physical_, physical);
 }
 
 void arena::reset_peaks() {
   peak_mapped_ = mapped_;
-  peak_physical_ = mapped_ + idle_bytes_ + strays_.bytes();
+  peak_physical_ = mapped_ + idle_bytes_ + strays_.bytes() + retired_held_;
 }
 
 arena_stats arena::stats() const {
@@ -341,7 +426,9 @@ arena_stats arena::stats() const {
   s.mapped = mapped_;
   s.idle = idle_bytes_;
   s.stray_bytes = strays_.bytes();
-  s.physical = mapped_ + idle_bytes_ + s.stray_bytes;
+  s.physical = mapped_ + idle_bytes_ + s.stray_bytes + retired_held_;
+  for (const auto& r : retiring_) s.retiring_bytes += r.size;
+  s.retired = retired_count_;
   s.free_chunk_bytes = free_chunk_bytes_;
   s.peak_mapped = peak_mapped_;
   s.peak_physical = peak_physical_;
@@ -360,6 +447,12 @@ std::string arena::check() const {
   std::map<std::uintptr_t, std::size_t> ranges(holes_.begin(), holes_.end());
   for (const auto& e : strays_.entries())
     if (e.mapped && !ranges.emplace(e.va, e.size).second) return "stray mapping overlaps a hole";
+  std::size_t held = 0;
+  for (const auto& r : retiring_) {
+    if (!ranges.emplace(r.va, r.size).second) return "retired range overlaps a hole, chunk or stray";
+    if (r.released) held += r.size;
+  }
+  if (held != retired_held_) return "retired held byte count is off";
   std::size_t mapped = 0, freeb = 0, n = 0;
   for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
     const chunk& c = chunks_[id];
@@ -374,7 +467,7 @@ std::string arena::check() const {
   }
   std::uintptr_t cur = res_.base();
   for (auto& [va, sz] : ranges) {
-    if (va != cur) return "holes, chunks and strays do not tile the reservation";
+    if (va != cur) return "holes, chunks, strays and retired ranges do not tile the reservation";
     cur = va + sz;
   }
   if (res_.size() && cur != res_.base() + res_.size()) return "holes, chunks and strays do not cover the reservation";

@@ -45,6 +45,8 @@ struct arena_stats {
   std::size_t peak_mapped = 0, peak_physical = 0;
   std::size_t chunks = 0;
   std::size_t stray_bytes = 0;         // held by work a refused rollback left (retried later)
+  std::size_t retiring_bytes = 0;      // VA of retired chunks still mapped until their stream's fence
+  std::uint64_t retired = 0;           // chunks retired (their memory reused while a stream ran behind)
   std::uint64_t stitched = 0;          // chunks mapped from idle handles (no create)
   std::uint64_t compression_fallbacks = 0;
   std::size_t compressed = 0;          // mapped bytes that the driver made compressible
@@ -93,13 +95,25 @@ class arena {
   // Maps `size` bytes (multiple of G) as one or more chunks, contiguous in VA. With at != 0 the
   // range must start exactly there (extending a span), else it goes in the lowest hole that fits.
   // Idle handles are used first (stitching); the rest is created. Returns the VA, or 0 + status.
-  result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner);
+  // With `mapped` given the range may come out larger: a retired handle (its memory held until its
+  // old range is unmapped anyway) bigger than what is left to map is mapped whole rather than
+  // released while a new one is created; *mapped says how much was mapped.
+  result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
+                                   std::size_t* mapped = nullptr);
   // Whether [at, at+size) is an unmapped hole right now.
   bool hole_at(std::uintptr_t at, std::size_t size) const;
 
   // Unmaps a chunk; its handle goes to the idle cache when keep_handle, else it is released. The
   // VA returns to the holes. The caller has made sure no stream still uses it.
   status unmap_chunk(std::uint32_t id, bool keep_handle);
+  // Retires a free chunk that one stream may still be using: its handle goes to the idle cache at
+  // once, to be mapped elsewhere for work later on that same stream (stream order keeps the old
+  // work first); its VA stays mapped, out of the holes, until `fence` (recorded on that stream,
+  // owned by the arena now) completes. No driver call but the fence; the unmap comes later.
+  void retire_chunk(std::uint32_t id, fence_t fence);
+  // Unmaps retired ranges whose fences completed (wait: waits for them first). Their VA returns to
+  // the holes. Called before mapping, by release_idle, trim and teardown.
+  status poll_retiring(bool wait);
 
   // Heap bookkeeping: bytes of live blocks per chunk; a chunk at 0 joins the free-chunk LRU.
   void add_used(std::uint32_t id, std::size_t n);
@@ -108,8 +122,9 @@ class arena {
   std::size_t free_chunk_bytes() const { return free_chunk_bytes_; }
   std::size_t idle_bytes() const { return idle_bytes_; }
 
-  // Releases idle handles until idle_bytes() <= keep; retries parked strays first.
-  status release_idle(std::size_t keep);
+  // Releases idle handles until idle_bytes() <= keep; retries parked strays first. keep_retired:
+  // leave handles whose retired range is still mapped (releasing them frees nothing yet).
+  status release_idle(std::size_t keep, bool keep_retired = false);
   // Retries what a refused rollback or release parked (trim, before mapping, teardown).
   status retry_strays();
 
@@ -166,12 +181,24 @@ class arena {
   std::map<std::uintptr_t, std::size_t> holes_;      // unmapped VA: start -> size
   std::multimap<std::size_t, mem_handle> idle_;      // created, unmapped handles by size
   vm::strays strays_;                                // refused rollback work; stray mappings are no holes
+  // Retired chunks: VA still mapped (the handle also sits idle or maps elsewhere) until the fence.
+  struct retired {
+    std::uintptr_t va;
+    std::size_t size;
+    mem_handle h;
+    fence_t fence;
+    bool released;  // the handle was released meanwhile: its memory returns with this unmap
+  };
+  std::vector<retired> retiring_;
+  std::size_t retired_held_ = 0;  // bytes of released handles still mapped by a retired range
+  bool note_release_of_aliased(mem_handle h, std::size_t size);
+  bool aliased(mem_handle h) const;
   std::uint32_t lru_head_ = no_chunk, lru_tail_ = no_chunk;
 
   std::size_t compressed_bytes_ = 0;  // mapped bytes the driver granted compression for
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
   std::size_t peak_mapped_ = 0, peak_physical_ = 0;
-  std::uint64_t stitched_ = 0;
+  std::uint64_t stitched_ = 0, retired_count_ = 0;
   status parked_error_;
 };
 

@@ -49,6 +49,8 @@ allocator_stats allocator::stats() const {
   s.chunk_releases = h.chunk_releases;
   s.trims = h.trims;
   s.reclaims = h.reclaims;
+  s.chunks_retired = h.chunks_retired;
+  s.retiring = a.retiring_bytes;
   s.stitched = a.stitched;
   s.compression_fallbacks = a.compression_fallbacks;
   s.ipc_fallbacks = a.ipc_fallbacks;

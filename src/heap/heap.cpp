@@ -154,6 +154,7 @@ bool heap::impl::reclaim() {
   const std::uint64_t slabs_before = st.slabs, deferred_before = st.deferred;
   poll_deferred();
   (void)a.retry_strays();
+  (void)a.poll_retiring(true);
   destroy_empty_slabs();
   // Every wholly free chunk becomes an idle handle (waiting for the fences of its blocks' streams:
   // this is the out-of-memory path, not the hot path); the retry maps those handles where it
@@ -177,7 +178,7 @@ status heap::trim(std::size_t keep) {
   m.poll_deferred();
   (void)m.a.retry_strays();  // a refusal stays parked and is reported through take_parked_error
   m.destroy_empty_slabs();  // first: they pin chunks that are otherwise free
-  status r;
+  status r = m.a.poll_retiring(true);  // retired ranges: their streams' work first, then the VA back
   while (r.ok() && m.a.free_chunk_bytes() + m.a.idle_bytes() > keep) {
     if (m.a.idle_bytes()) {
       r = m.a.release_idle(keep > m.a.free_chunk_bytes() ? keep - m.a.free_chunk_bytes() : 0);

@@ -222,14 +222,20 @@ struct heap::impl {
   // are left). keep_handle: the physical memory stays for stitching; else it is released.
   // wait = false (growth, release threshold): chunks whose last stream is still running are
   // skipped, never waited for. wait = true (trim): waits for those chunks' fences only.
-  status evict_free_chunks(std::size_t target, bool keep_handle, bool wait = false);
+  // for_stream: the stream the freed memory is for; chunks only it may still use are retired
+  // (arena::retire_chunk) instead of skipped.
+  status evict_free_chunks(std::size_t target, bool keep_handle, bool wait = false,
+                           const stream_t* for_stream = nullptr);
 
   // Whether a free chunk still has a stream that may touch it (fence not known complete).
-  bool chunk_busy(std::uint32_t id);
+  // Streams that may still use a free chunk: none, only *for_stream, or another one.
+  enum { pending_none, pending_same, pending_other };
+  int pending(std::uint32_t id, const stream_t* for_stream);
 
-  status release_chunk(std::uint32_t id, bool keep_handle, bool wait, bool& busy);
+  status release_chunk(std::uint32_t id, bool keep_handle, bool wait, bool& busy,
+                       const stream_t* for_stream = nullptr);
 
-  status release_huge(block* b, bool keep_handle);
+  status release_huge(block* b, bool keep_handle, const stream_t* retire_for = nullptr);
   void uncache_huge(block* b);
 
   // ---- huge path ----

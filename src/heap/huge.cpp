@@ -5,20 +5,26 @@
 namespace vmm {
 
 
-status heap::impl::release_huge(block* b, bool keep_handle) {
+status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* retire_for) {
   assert(b && (b->flags & f_huge) && (b->flags & f_free));
-  if (b->flags & f_exported) keep_handle = false;  // an importer may still map it: never reuse
-  if (b->flags & f_tagged) {
+  if (b->flags & f_exported) keep_handle = false, retire_for = nullptr;  // an importer may map it: never reuse
+  if ((b->flags & f_tagged) && !retire_for) {
     status w = wait_covered(b->stream, b->free_seq);
     if (!w.ok()) return w;
   }
-  // A huge block may be stitched from several chunks: unmap from the end, shrinking the block,
-  // so a failure part-way leaves a consistent (smaller) cached block.
+  // A huge block may be stitched from several chunks: unmap (or retire) from the end, shrinking
+  // the block, so a failure part-way leaves a consistent (smaller) cached block.
   while (b->size) {
     std::uint32_t id = a.chunk_at(b->addr + b->size - 1);
     std::size_t cs = a.get(id).size;
-    status u = a.unmap_chunk(id, keep_handle);
-    if (!u.ok()) return u;
+    if (retire_for) {
+      auto f = a.drv().record_fence(*retire_for);  // one per chunk: each retired range owns its fence
+      if (!f.ok()) return f.st;
+      a.retire_chunk(id, f.value);
+      ++st.chunks_retired;
+    } else if (status u = a.unmap_chunk(id, keep_handle); !u.ok()) {
+      return u;
+    }
     uncache_huge(b);
     b->size -= cs;
     if (b->size) huge_cache.emplace(b->size, b);
@@ -52,12 +58,12 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
     return {b, {}};
   }
   if (a.opts().stitch_on_grow) {
-    status e = evict_free_chunks(size, true);
+    status e = evict_free_chunks(size, true, false, &x);
     if (!e.ok()) return {nullptr, e};
   }
   auto r = a.map_range(size, 0, kOwnerHuge);
   if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
-    status e = evict_free_chunks(~std::size_t{0}, true);
+    status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};
     r = a.map_range(size, 0, kOwnerHuge);
   }

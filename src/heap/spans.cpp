@@ -94,7 +94,7 @@ status heap::impl::grow(std::size_t need, stream_t x) {
   ++st.grows;
   std::size_t size = round_up(need, G);
   if (a.opts().stitch_on_grow) {
-    status e = evict_free_chunks(size, true);  // reuse wholly free chunks' physical memory
+    status e = evict_free_chunks(size, true, false, &x);  // reuse wholly free chunks' physical memory
     if (!e.ok()) return e;
   }
   // Prefer extending a span whose free tail this stream may use: less new memory, one block.
@@ -114,56 +114,73 @@ status heap::impl::grow(std::size_t need, stream_t x) {
   std::size_t geo = std::min(next_growth, std::max(a.opts().max_growth, G));
   std::size_t want = ext;
   if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
-  auto r = a.map_range(want, at, kOwnerSpan);
+  std::size_t got = 0;  // mapped: want, or more when a retired handle larger than the rest was used whole
+  auto r = a.map_range(want, at, kOwnerSpan, &got);
   if (!r.ok() && want != ext) {
     want = ext;
-    r = a.map_range(want, at, kOwnerSpan);
+    r = a.map_range(want, at, kOwnerSpan, &got);
   }
   if (!r.ok() && at) {  // the hole after the span is gone: start a new span
     want = size;
-    r = a.map_range(want, 0, kOwnerSpan);
+    r = a.map_range(want, 0, kOwnerSpan, &got);
   }
   if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
-    status e = evict_free_chunks(~std::size_t{0}, true);  // last resort: every idle-able chunk
+    status e = evict_free_chunks(~std::size_t{0}, true, false, &x);  // last resort: every idle-able chunk
     if (!e.ok()) return e;
     want = size;
-    r = a.map_range(want, 0, kOwnerSpan);
+    r = a.map_range(want, 0, kOwnerSpan, &got);
   }
   if (!r.ok()) return r.st;
-  add_span_range(r.value, want, x);
+  add_span_range(r.value, got, x);
   next_growth = std::min(next_growth * 2, std::max(a.opts().max_growth, G));
   return {};
 }
 
-status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool wait) {
+status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool wait, const stream_t* for_stream) {
   std::uint32_t id = a.oldest_free_chunk();
   while (id != arena::no_chunk && a.idle_bytes() < target) {
     bool busy = false;
-    status s = release_chunk(id, keep_handle, wait, busy);
+    status s = release_chunk(id, keep_handle, wait, busy, for_stream);
     if (!s.ok()) return s;
     // A release may unmap several chunks (a stitched huge block): restart from the list head,
     // past the busy ones.
     id = busy ? a.get(id).lru_next : a.oldest_free_chunk();
-    while (!busy && id != arena::no_chunk && chunk_busy(id)) id = a.get(id).lru_next;
+    while (!busy && id != arena::no_chunk && pending(id, for_stream) == pending_other) id = a.get(id).lru_next;
   }
   return {};
 }
 
-bool heap::impl::chunk_busy(std::uint32_t id) {
+int heap::impl::pending(std::uint32_t id, const stream_t* for_stream) {
   auto& c = a.get(id);
+  int p = pending_none;
+  auto note = [&](block* b) {
+    if (!(b->flags & f_tagged) || fence_covers(b->stream, b->free_seq)) return;
+    p = (p != pending_other && for_stream && b->stream == *for_stream) ? pending_same : pending_other;
+  };
   if (c.owner == kOwnerHuge) {
     block* b = block_at(c.va);
     if (!b) b = block_containing(c.va);  // stitched huge block starting in an earlier chunk
-    return (b->flags & f_tagged) && !fence_covers(b->stream, b->free_seq);
+    note(b);
+    return p;
   }
-  for (block* b = block_containing(c.va); b && b->addr < c.va + c.size; b = b->next_phys)
-    if ((b->flags & f_tagged) && !fence_covers(b->stream, b->free_seq)) return true;
-  return false;
+  for (block* b = block_containing(c.va); b && b->addr < c.va + c.size && p != pending_other; b = b->next_phys)
+    note(b);
+  return p;
 }
 
-status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, bool& busy) {
-  busy = !wait && chunk_busy(id);
-  if (busy) return {};
+status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, bool& busy,
+                                 const stream_t* for_stream) {
+  // A chunk whose blocks only the requesting stream may still be using (the GPU running behind
+  // the CPU) is retired rather than skipped: its handle serves this stream's request at once, its
+  // old VA is unmapped once the stream's fence completes. Skipping it would create new memory
+  // instead, a third more at the peak of a real training process.
+  bool retire = false;
+  if (!wait) {
+    const int p = pending(id, for_stream);
+    retire = p == pending_same && keep_handle;
+    busy = p == pending_other || (p == pending_same && !retire);
+    if (busy) return {};
+  }
   auto& c = a.get(id);
   assert(c.used == 0);
   ++st.chunk_releases;
@@ -171,22 +188,32 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
   if (c.owner == kOwnerHuge) {
     block* b = block_at(c.va);
     if (!b) b = block_containing(c.va);
-    return release_huge(b, keep_handle);
+    return release_huge(b, keep_handle, retire ? for_stream : nullptr);
   }
   std::uintptr_t cs = c.va, ce = c.va + c.size;
   block* first = block_containing(cs);
   block* last = first;
   while (last->addr + last->size < ce) last = last->next_phys;
-  for (block* b = first;; b = b->next_phys) {  // wait only for this chunk's streams
-    assert(b->flags & f_free);
-    if (b->flags & f_tagged) {
-      status w = wait_covered(b->stream, b->free_seq);
-      if (!w.ok()) return w;
+  if (retire) {
+    auto f = a.drv().record_fence(*for_stream);  // the unmap of the old VA waits for it
+    if (!f.ok()) {
+      busy = true;  // cannot order the reuse: leave the chunk as it is
+      return {};
     }
-    if (b == last) break;
+    a.retire_chunk(id, f.value);
+    ++st.chunks_retired;
+  } else {
+    for (block* b = first;; b = b->next_phys) {  // wait only for this chunk's streams
+      assert(b->flags & f_free);
+      if (b->flags & f_tagged) {
+        status w = wait_covered(b->stream, b->free_seq);
+        if (!w.ok()) return w;
+      }
+      if (b == last) break;
+    }
+    status u = a.unmap_chunk(id, keep_handle);
+    if (!u.ok()) return u;
   }
-  status u = a.unmap_chunk(id, keep_handle);
-  if (!u.ok()) return u;
   // Cut [cs, ce) out of the span: split the edges, drop the middle, fix the span ends.
   for (block* b = first;; b = b->next_phys) {
     remove_free(b);

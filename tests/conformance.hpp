@@ -6,11 +6,15 @@
 //   static bool verify(const void* p, std::size_t n, std::uint64_t seed);  // GPU: kernels)
 //   static bool device_memory(std::size_t& free, std::size_t& total);  // false: not applicable
 //   static vmm::stream_t stream(int i);   // a real stream on the GPU, a tag on the host
+// and may supply (where it can count its backend's objects, e.g. the host backend):
+//   static vmm::allocator make_watched(vmm::options o, std::function<conf::live_counts()>& live);
+//       like make(), and `live` reads the backend's live objects, also after the allocator is gone
 // Include after doctest.h; instantiate with VMM_CONFORMANCE_INVOKE(Traits).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <random>
 #include <vector>
@@ -27,6 +31,19 @@ inline vmm::options small_options() {
   vmm::options o;
   o.reservation_size = 16 * GiB;
   return o;
+}
+
+// Objects a backend holds: what must drop to zero once an allocator is destroyed.
+struct live_counts {
+  std::size_t handles = 0, mappings = 0, reservations = 0;
+};
+
+template <class T>
+vmm::allocator make_watched(vmm::options o, std::function<live_counts()>& live) {
+  if constexpr (requires { T::make_watched(o, live); })
+    return T::make_watched(o, live);
+  else
+    return T::make(o);
 }
 
 template <class T>
@@ -439,15 +456,29 @@ TEST_CASE_TEMPLATE_DEFINE("conformance: a freed block is reused by the same stre
 TEST_CASE_TEMPLATE_DEFINE("conformance: destroying an allocator with live blocks releases everything", T, conf_21) {
   std::size_t f0 = 0, total = 0;
   bool has_dev = T::device_memory(f0, total);
+  std::function<conf::live_counts()> live;  // set where the Traits can count backend objects
   {
-    auto a = T::make(conf::small_options());
+    auto a = conf::make_watched<T>(conf::small_options(), live);
     for (std::size_t n : {100u, 100000u, 5000000u, 400000000u}) a.allocate(n);
+    if (live) {  // the probe sees this allocator's objects (else the zeros below prove nothing)
+      auto c = live();
+      CHECK(c.handles > 0);
+      CHECK(c.mappings > 0);
+      CHECK(c.reservations > 0);
+    }
+  }
+  if (live) {
+    auto c = live();
+    CHECK(c.handles == 0);
+    CHECK(c.mappings == 0);
+    CHECK(c.reservations == 0);
   }
   if (has_dev) {
     std::size_t f1 = 0;
     T::device_memory(f1, total);
     CHECK(f1 + 64 * conf::MiB >= f0);
   }
+  if (!live && !has_dev) MESSAGE(std::string(T::name) << ": no object counts and no device memory figures: nothing compared");
   auto b = T::make(conf::small_options());  // a fresh one works after
   b.deallocate(b.allocate(10));
 }

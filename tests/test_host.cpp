@@ -43,6 +43,16 @@ struct host_traits {
   }
   static bool device_memory(std::size_t&, std::size_t&) { return false; }
   static vmm::stream_t stream(int i) { return reinterpret_cast<vmm::stream_t>(std::uintptr_t(0x1000 + i)); }
+  // The allocator owns its backend and destroys it with itself; to count what is left, the host
+  // backend lives in `live` and the allocator gets a non-owning forwarding_backend over it.
+  static vmm::allocator make_watched(vmm::options o, std::function<conf::live_counts()>& live) {
+    vmm::host_backend_options h;
+    h.physical_limit = std::size_t{32} << 30;
+    std::shared_ptr<vmm::backend_iface> host = vmm::make_backend<vmm::host_backend>(h);
+    vmm::host_backend* hb = vmm::backend_cast<vmm::host_backend>(*host);
+    live = [host, hb] { return conf::live_counts{hb->live_handles(), hb->live_mappings(), hb->live_reservations()}; };
+    return vmm::allocator(std::make_unique<vmm::forwarding_backend>(*host), o);
+  }
 };
 
 constexpr std::size_t MiB = std::size_t{1} << 20, G2 = 2 * MiB;

@@ -4,10 +4,13 @@
 // Contract (stated once, here; tests/backend/contract.hpp checks every rule on every backend):
 //  R1 Every operation returns `status` (or `result<T>`), never throws, and on failure leaves no
 //     half-done state behind: a failed create() holds no memory, a failed map() maps nothing.
-//  R2 Sizes and offsets given to create/map/unmap/set_access are multiples of
-//     granularity().minimum; virtual addresses are aligned to it. Callers round (the mapping
-//     layer's job); backends check and refuse with invalid_value.
-//  R3 unmap(va, size) must name exactly a range that one map() mapped (cuMemUnmap's rule).
+//  R2 Sizes given to create/map/unmap/set_access are multiples of granularity().minimum; virtual
+//     addresses are aligned to it; map() offsets are 0 (the CUDA driver supports no other).
+//     Callers round (the mapping layer's job); backends refuse the rest (invalid_value or
+//     not_supported: the CUDA driver answers NOT_SUPPORTED for a size or offset off the granularity).
+//  R3 unmap(va, size) must name exactly a range that one map() mapped (cuMemUnmap's rule); a part
+//     of a mapping is refused. (Unmapping a reserved range that holds no mapping is a no-op for the
+//     CUDA driver and refused by the host backend: callers never do it.)
 //  R4 A mapped range has no access until set_access() grants it (cuMemMap's rule).
 //  R5 release(h) may be called while h is still mapped: physical memory returns when the handle is
 //     released AND every mapping of it is gone (driver reference counting; memfd has the same

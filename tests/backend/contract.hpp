@@ -221,9 +221,12 @@ TEST_CASE_TEMPLATE_DEFINE("contract R2: sizes, offsets and addresses off the gra
   CHECK(b->create(g + half, {}).st.kind == errc::invalid_value);
   reservation r(*b, 2 * g);
   chunk c(*b, g);
+  // The driver refuses a size or offset off the granularity with CUDA_ERROR_NOT_SUPPORTED (seen on
+  // an H200, driver 580): refused is the rule, the kind may be either.
+  auto refused = [](vmm::status st) { return st.kind == errc::invalid_value || st.kind == errc::not_supported; };
   CHECK(b->map(r.va + half, g, c.h, 0).kind == errc::invalid_value);  // address
-  CHECK(b->map(r.va, half, c.h, 0).kind == errc::invalid_value);      // size
-  CHECK(b->map(r.va, g, c.h, half).kind == errc::invalid_value);      // offset
+  CHECK(refused(b->map(r.va, half, c.h, 0)));                         // size
+  CHECK(refused(b->map(r.va, g, c.h, half)));                         // offset
   mapping m(*b, r.va, g, c.h);                                        // the rounded call works
   CHECK(b->set_access(r.va, half, {&rw0, 1}).kind == errc::invalid_value);
   CHECK(b->set_access(r.va + half, half, {&rw0, 1}).kind == errc::invalid_value);
@@ -246,7 +249,10 @@ TEST_CASE_TEMPLATE_DEFINE("contract R3: unmap of part of a mapping is refused an
   T::fill(*b, r.va, 2 * g, 3);
   CHECK(b->unmap(r.va, g).kind == errc::invalid_value);          // first half
   CHECK(b->unmap(r.va + g, g).kind == errc::invalid_value);      // second half
-  CHECK(b->unmap(r.va + 2 * g, g).kind == errc::invalid_value);  // reserved, never mapped
+  // A reserved range never mapped: the host backend refuses it, the CUDA driver accepts it as a
+  // no-op (seen on an H200, driver 580). Either way the mapping beside it is untouched.
+  const vmm::status never = b->unmap(r.va + 2 * g, g);
+  CHECK((never.ok() || never.kind == errc::invalid_value));
   CHECK(T::verify(*b, r.va, 2 * g, 3));                          // still mapped, still accessible
   T::fill(*b, r.va + g, g, 4);
   CHECK(T::verify(*b, r.va + g, g, 4));

@@ -26,6 +26,11 @@
 //     fence 0 is always done.
 //  R9 peers (cap_peer_access): can_access_peer(device, peer). Without it only the owner exists.
 //  R10 compression (cap_compression): query(h) reads back what the driver granted.
+//  R11 capture (cap_capture): capture_of(stream) tells whether the stream is being captured into a
+//     graph (and the capture's id); exchange_capture_mode(m) swaps the calling thread's capture
+//     interaction mode (cuThreadExchangeStreamCaptureMode). While a stream captures, fences are
+//     not recorded or queried on it, and calls the driver counts as unsafe (memory management,
+//     event queries) are made with the thread in relaxed mode. Without the part nothing captures.
 //  A part a backend lacks answers errc::not_supported through the type-erased wrapper.
 //
 // Two backends ship: cuda_backend.hpp (driver API loaded at run time) and host_backend.hpp (memfd
@@ -92,6 +97,15 @@ enum capability : unsigned {
   cap_peer_access = 1u << 3,
   cap_async_fences = 1u << 4,  // fences can be pending (GPU streams; host fences under test control)
   cap_host_access = 1u << 5,   // the CPU can read and write mapped memory (host backend)
+  cap_capture = 1u << 6,       // streams can be captured into graphs (CUDA graphs)
+};
+
+// Stream capture (CUDA graphs). The values are the driver's CUstreamCaptureMode.
+enum class capture_mode : int { global = 0, thread_local_ = 1, relaxed = 2 };
+enum class capture_state : std::uint8_t { none, active, invalidated };
+struct capture_info {
+  capture_state state = capture_state::none;
+  std::uint64_t id = 0;  // the capture sequence's id (unique in the process) while not none
 };
 inline constexpr unsigned cap_ipc = cap_export_posix_fd | cap_export_fabric;
 
@@ -138,6 +152,12 @@ concept backend_compression = requires(B& b, mem_handle h) {
 };
 
 template <class B>
+concept backend_capture = requires(B& b, stream_t s, capture_mode m) {
+  { b.capture_of(s) } -> std::same_as<result<capture_info>>;
+  { b.exchange_capture_mode(m) } -> std::same_as<capture_mode>;
+};
+
+template <class B>
 concept backend = backend_core<B>;
 
 // The capability bits a type can honour: a bit whose part is missing is never reported.
@@ -148,6 +168,7 @@ constexpr unsigned implemented_capabilities() {
   if constexpr (backend_fences<B>) c |= cap_async_fences;
   if constexpr (backend_peers<B>) c |= cap_peer_access;
   if constexpr (backend_compression<B>) c |= cap_compression;
+  if constexpr (backend_capture<B>) c |= cap_capture;
   return c;
 }
 
@@ -180,6 +201,8 @@ struct backend_iface {
   virtual void drop_fence(fence_t) = 0;
   virtual bool can_access_peer(int device, int peer) = 0;
   virtual result<chunk_info> query(mem_handle) = 0;
+  virtual result<capture_info> capture_of(stream_t) = 0;
+  virtual capture_mode exchange_capture_mode(capture_mode) = 0;
 };
 
 // Wraps a concrete backend B: forwards the parts B has, answers not_supported for the rest.
@@ -232,6 +255,14 @@ class backend_model final : public backend_iface {
     if constexpr (backend_compression<B>) return b_.query(h);
     else return {{}, not_supported("query")};
   }
+  result<capture_info> capture_of(stream_t s) override {
+    if constexpr (backend_capture<B>) return b_.capture_of(s);
+    else return {{}, {}};  // nothing ever captures
+  }
+  capture_mode exchange_capture_mode(capture_mode m) override {
+    if constexpr (backend_capture<B>) return b_.exchange_capture_mode(m);
+    else return m;
+  }
 
  private:
   B b_;
@@ -277,6 +308,8 @@ class forwarding_backend : public backend_iface {
   void drop_fence(fence_t f) override { in_->drop_fence(f); }
   bool can_access_peer(int d, int p) override { return in_->can_access_peer(d, p); }
   result<chunk_info> query(mem_handle h) override { return in_->query(h); }
+  result<capture_info> capture_of(stream_t s) override { return in_->capture_of(s); }
+  capture_mode exchange_capture_mode(capture_mode m) override { return in_->exchange_capture_mode(m); }
 
  private:
   std::unique_ptr<backend_iface> own_;

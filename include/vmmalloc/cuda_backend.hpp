@@ -43,6 +43,8 @@ class cuda_backend {
   void drop_fence(fence_t);
   result<memory_info> mem_info();
   bool can_access_peer(int device, int peer);
+  result<capture_info> capture_of(stream_t);             // cuStreamGetCaptureInfo
+  capture_mode exchange_capture_mode(capture_mode);      // cuThreadExchangeStreamCaptureMode
 
   // Device facts for tools (vmm-info): attribute by CUdevice_attribute number; -1 when unknown.
   int attribute(int cu_attribute, int device) const;
@@ -56,6 +58,6 @@ class cuda_backend {
 };
 static_assert(backend<cuda_backend>);
 static_assert(backend_ipc<cuda_backend> && backend_fences<cuda_backend> && backend_peers<cuda_backend> &&
-              backend_compression<cuda_backend>);
+              backend_compression<cuda_backend> && backend_capture<cuda_backend>);
 
 }  // namespace vmm

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <string>
 
 #include "vmmalloc/backend.hpp"
 
@@ -44,11 +46,18 @@ class host_backend {
   void drop_fence(fence_t);
   result<memory_info> mem_info();
   bool can_access_peer(int device, int peer);
+  result<capture_info> capture_of(stream_t);
+  capture_mode exchange_capture_mode(capture_mode);
 
   // --- test controls (no driver analogue) ---
   // While a stream is held, fences recorded on it stay pending until complete_stream().
   void hold_stream(stream_t);
   void complete_stream(stream_t);  // completes every pending fence of the stream and releases it
+  // Stream capture, modelled on the driver's rules (see backend.hpp, R11): begin returns the
+  // capture's id (0: the stream already captures); end reports a capture that an event op on the
+  // stream or a refused unsafe call invalidated (why, optional, names the call).
+  std::uint64_t begin_capture(stream_t, capture_mode = capture_mode::global);
+  status end_capture(stream_t, std::string* why = nullptr);
   // Simulated access a device has at va (what cuMemGetAccess would report).
   access_mode access_of(std::uintptr_t va, int device);
   // Live object counts, for leak checks.
@@ -62,6 +71,6 @@ class host_backend {
 };
 static_assert(backend<host_backend>);
 static_assert(backend_ipc<host_backend> && backend_fences<host_backend> && backend_peers<host_backend> &&
-              backend_compression<host_backend>);
+              backend_compression<host_backend> && backend_capture<host_backend>);
 
 }  // namespace vmm

@@ -148,7 +148,7 @@ bool arena::aliased(mem_handle h) const {
 }
 
 result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
-                                        std::size_t* mapped) {
+                                        std::size_t* mapped, std::uint16_t heap) {
   if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
   (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
   (void)poll_retiring(false);  // retired ranges whose stream caught up give their VA back
@@ -259,7 +259,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     auto id = new_chunk_slot();
     bool marked = false;
     for (auto& pol : policies_) marked = pol->mapped(drv_, pol_, p.h) || marked;
-    chunks_[id] = chunk{va + off, p.size, p.h, 0, no_chunk, no_chunk, owner, marked};
+    chunks_[id] = chunk{va + off, p.size, p.h, 0, no_chunk, no_chunk, owner, heap, marked};
     for (std::size_t pg = page_of(va + off), e = pg + p.size / gran_; pg < e; ++pg) page_map_[pg] = id;
     mapped_ += p.size;
     if (marked) compressed_bytes_ += p.size;
@@ -380,19 +380,24 @@ status arena::poll_retiring(bool wait) {
 
 void arena::lru_push(std::uint32_t id) {
   chunk& c = chunks_[id];
-  c.lru_prev = lru_tail_;
+  if (c.heap >= lru_.size()) lru_.resize(c.heap + 1);
+  lru_list& l = lru_[c.heap];
+  c.lru_prev = l.tail;
   c.lru_next = no_chunk;
-  if (lru_tail_ != no_chunk) chunks_[lru_tail_].lru_next = id; else lru_head_ = id;
-  lru_tail_ = id;
+  if (l.tail != no_chunk) chunks_[l.tail].lru_next = id; else l.head = id;
+  l.tail = id;
+  l.bytes += c.size;
   free_chunk_bytes_ += c.size;
 }
 
 void arena::lru_remove(std::uint32_t id) {
   chunk& c = chunks_[id];
-  if (c.lru_prev == no_chunk && lru_head_ != id) return;  // not on the list
-  if (c.lru_prev != no_chunk) chunks_[c.lru_prev].lru_next = c.lru_next; else lru_head_ = c.lru_next;
-  if (c.lru_next != no_chunk) chunks_[c.lru_next].lru_prev = c.lru_prev; else lru_tail_ = c.lru_prev;
+  lru_list& l = lru_[c.heap];
+  if (c.lru_prev == no_chunk && l.head != id) return;  // not on the list
+  if (c.lru_prev != no_chunk) chunks_[c.lru_prev].lru_next = c.lru_next; else l.head = c.lru_next;
+  if (c.lru_next != no_chunk) chunks_[c.lru_next].lru_prev = c.lru_prev; else l.tail = c.lru_prev;
   c.lru_prev = c.lru_next = no_chunk;
+  l.bytes -= c.size;
   free_chunk_bytes_ -= c.size;
 }
 
@@ -480,9 +485,15 @@ std::string arena::check() const {
   for (auto& [sz, h] : idle_) idle += sz;
   if (idle != idle_bytes_) return "idle byte count is off";
   std::size_t lru = 0;
-  for (auto id = lru_head_; id != no_chunk; id = chunks_[id].lru_next) {
-    if (chunks_[id].used) return "a used chunk is on the free-chunk list";
-    lru += chunks_[id].size;
+  for (std::uint16_t h = 0; h < lru_.size(); ++h) {
+    std::size_t mine = 0;
+    for (auto id = lru_[h].head; id != no_chunk; id = chunks_[id].lru_next) {
+      if (chunks_[id].used) return "a used chunk is on the free-chunk list";
+      if (chunks_[id].heap != h) return "a free chunk is on another heap's list";
+      mine += chunks_[id].size;
+    }
+    if (mine != lru_[h].bytes) return "a heap's free-chunk byte count is off";
+    lru += mine;
   }
   if (lru != free_chunk_bytes_) return "free-chunk list does not hold every free chunk";
   return {};

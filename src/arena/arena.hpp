@@ -66,6 +66,7 @@ class arena {
     std::size_t used = 0;       // bytes of live blocks in this chunk (maintained by the heap)
     std::uint32_t lru_prev = no_chunk, lru_next = no_chunk;  // list of wholly free chunks
     std::uint32_t owner = 0;    // heap's tag for this chunk (0 = heap-managed span, 1 = huge, ...)
+    std::uint16_t heap = 0;     // which heap owns it (0: the allocator's; others: graph pools)
     bool compressed = false;    // what the driver granted (compression policy)
   };
 
@@ -99,7 +100,7 @@ class arena {
   // old range is unmapped anyway) bigger than what is left to map is mapped whole rather than
   // released while a new one is created; *mapped says how much was mapped.
   result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
-                                   std::size_t* mapped = nullptr);
+                                   std::size_t* mapped = nullptr, std::uint16_t heap = 0);
   // Whether [at, at+size) is an unmapped hole right now.
   bool hole_at(std::uintptr_t at, std::size_t size) const;
 
@@ -118,8 +119,15 @@ class arena {
   // Heap bookkeeping: bytes of live blocks per chunk; a chunk at 0 joins the free-chunk LRU.
   void add_used(std::uint32_t id, std::size_t n);
   void sub_used(std::uint32_t id, std::size_t n);
-  std::uint32_t oldest_free_chunk() const { return lru_head_; }
+  // Wholly free chunks, per owning heap (oldest first), and their bytes; without a heap, all.
+  std::uint32_t oldest_free_chunk(std::uint16_t heap) const { return heap < lru_.size() ? lru_[heap].head : no_chunk; }
+  std::size_t free_chunk_bytes(std::uint16_t heap) const { return heap < lru_.size() ? lru_[heap].bytes : 0; }
   std::size_t free_chunk_bytes() const { return free_chunk_bytes_; }
+  // Which heap owns the chunk mapped at a (0 when none: the caller's heap then reports the pointer).
+  std::uint16_t heap_at(std::uintptr_t a) const {
+    const std::uint32_t id = chunk_at(a);
+    return id == no_chunk ? 0 : chunks_[id].heap;
+  }
   std::size_t idle_bytes() const { return idle_bytes_; }
 
   // Releases idle handles until idle_bytes() <= keep; retries parked strays first. keep_retired:
@@ -193,7 +201,11 @@ class arena {
   std::size_t retired_held_ = 0;  // bytes of released handles still mapped by a retired range
   bool note_release_of_aliased(mem_handle h, std::size_t size);
   bool aliased(mem_handle h) const;
-  std::uint32_t lru_head_ = no_chunk, lru_tail_ = no_chunk;
+  struct lru_list {
+    std::uint32_t head = no_chunk, tail = no_chunk;
+    std::size_t bytes = 0;
+  };
+  std::vector<lru_list> lru_;  // per heap
 
   std::size_t compressed_bytes_ = 0;  // mapped bytes the driver granted compression for
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;

@@ -57,7 +57,9 @@ constexpr int kCudaAbi = 12000;
   X(cuEventRecord, 2000)                             \
   X(cuEventQuery, 2000)                              \
   X(cuEventSynchronize, 2000)                        \
-  X(cuEventDestroy, 4000)
+  X(cuEventDestroy, 4000)                             \
+  X(cuStreamGetCaptureInfo, 10010)                   \
+  X(cuThreadExchangeStreamCaptureMode, 10010)
 
 errc kind_of(CUresult r) noexcept {
   switch (r) {
@@ -300,7 +302,7 @@ struct cuda_backend::impl {
       int v = 0;
       return d.cuDeviceGetAttribute_(&v, a, dev) == CUDA_SUCCESS && v != 0;
     };
-    unsigned c = cap_async_fences;  // events can be pending; never cap_host_access
+    unsigned c = cap_async_fences | cap_capture;  // events can be pending; never cap_host_access
     if (attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)) c |= cap_export_posix_fd;
     if (attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)) c |= cap_export_fabric;
     if (attr(CU_DEVICE_ATTRIBUTE_GENERIC_COMPRESSION_SUPPORTED)) c |= cap_compression;
@@ -542,6 +544,29 @@ status cuda_backend::wait_fence(fence_t f) {
 void cuda_backend::drop_fence(fence_t f) {
   if (f == 0 || !available()) return;
   drv().cuEventDestroy_(reinterpret_cast<CUevent>(static_cast<std::uintptr_t>(f)));
+}
+
+// ---- stream capture ----------------------------------------------------------------------------
+
+result<capture_info> cuda_backend::capture_of(stream_t stream) {
+  if (!available()) return {{}, {}};
+  CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+  cuuint64_t id = 0;
+  if (status s = VMM_CU(drv(), cuStreamGetCaptureInfo, static_cast<CUstream>(stream), &cs, &id); !s.ok())
+    return fail<capture_info>(s);
+  capture_info ci;
+  ci.state = cs == CU_STREAM_CAPTURE_STATUS_ACTIVE        ? capture_state::active
+             : cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED ? capture_state::invalidated
+                                                          : capture_state::none;
+  ci.id = ci.state == capture_state::none ? 0 : static_cast<std::uint64_t>(id);
+  return {ci, {}};
+}
+
+capture_mode cuda_backend::exchange_capture_mode(capture_mode m) {
+  if (!available()) return m;
+  auto mode = static_cast<CUstreamCaptureMode>(static_cast<int>(m));
+  if (drv().cuThreadExchangeStreamCaptureMode_(&mode) != CUDA_SUCCESS) return m;
+  return static_cast<capture_mode>(static_cast<int>(mode));
 }
 
 // ---- device facts ------------------------------------------------------------------------------

@@ -8,6 +8,9 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -79,6 +82,22 @@ struct host_backend::impl {
   std::unordered_set<stream_t> held;
   std::unordered_map<fence_t, stream_t> pending;
 
+  // Stream capture, with the driver's rules: an event op on a capturing stream invalidates its
+  // capture; a call the driver counts as unsafe (memory management, event query / wait) is
+  // refused and invalidates the captures that prohibit it, unless the calling thread is in
+  // relaxed mode.
+  struct capture {
+    std::uint64_t id;
+    capture_mode mode;
+    std::thread::id thread;
+    bool invalidated = false;
+    const char* why = "";
+  };
+  std::unordered_map<stream_t, capture> captures;
+  std::uint64_t next_capture = 1;
+  // Caller holds mu. An error (and invalidated captures) when this thread may not make an unsafe call.
+  status unsafe(const char* op);
+
   bool inside_reservation(std::uintptr_t va, std::size_t n) const {
     auto it = reservations.upper_bound(va);
     if (it == reservations.begin()) return false;
@@ -97,6 +116,27 @@ struct host_backend::impl {
   bool aligned(std::uintptr_t v) const { return v % opt.granularity == 0; }
 };
 
+namespace {
+thread_local capture_mode tl_capture_mode = capture_mode::global;  // per thread, as the driver's
+constexpr int kCaptureUnsupported = 900, kCaptureInvalidated = 901;  // CUDA's codes
+}  // namespace
+
+status host_backend::impl::unsafe(const char* op) {
+  if (tl_capture_mode == capture_mode::relaxed) return {};
+  const auto me = std::this_thread::get_id();
+  bool prohibited = false;
+  for (auto& [s, c] : captures) {
+    if (c.invalidated || c.mode == capture_mode::relaxed) continue;
+    if (c.thread == me || (tl_capture_mode == capture_mode::global && c.mode == capture_mode::global)) {
+      c.invalidated = true;
+      c.why = op;
+      prohibited = true;
+    }
+  }
+  if (!prohibited) return {};
+  return {errc::other, kCaptureUnsupported, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", op};
+}
+
 host_backend::host_backend(host_backend_options o) : p_(std::make_unique<impl>()) {
   p_->opt = o;
   if (p_->opt.granularity == 0 || p_->opt.granularity % p_->page != 0) p_->opt.granularity = p_->page;
@@ -105,7 +145,7 @@ host_backend::~host_backend() = default;
 host_backend::host_backend(host_backend&&) noexcept = default;
 
 unsigned host_backend::capabilities() {
-  unsigned c = cap_export_posix_fd | cap_async_fences | cap_host_access | cap_peer_access;
+  unsigned c = cap_export_posix_fd | cap_async_fences | cap_host_access | cap_peer_access | cap_capture;
   if (p_->opt.fabric_supported) c |= cap_export_fabric;
   return c;
 }
@@ -129,12 +169,14 @@ result<std::uintptr_t> host_backend::reserve(std::size_t size, std::size_t align
   if (va > base) ::munmap(raw, va - base);  // trim head and tail so the range is exact
   if (base + total > va + size) ::munmap(reinterpret_cast<void*>(va + size), base + total - va - size);
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemAddressReserve"); !u.ok()) return {{}, u};
   p_->reservations[va] = size;
   return {va, {}};
 }
 
 status host_backend::free_reservation(std::uintptr_t va, std::size_t size) {
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemAddressFree"); !u.ok()) return u;
   auto it = p_->reservations.find(va);
   if (it == p_->reservations.end() || it->second != size) return errno_status(EINVAL, "munmap");
   if (p_->overlaps_mapping(va, size)) return errno_status(EINVAL, "munmap");  // driver refuses too
@@ -151,6 +193,7 @@ result<mem_handle> host_backend::create(std::size_t size, const chunk_props& p) 
     return {0, errno_status(EOPNOTSUPP, "memfd_create")};
   {
     std::lock_guard g(p_->mu);
+    if (status u = p_->unsafe("cuMemCreate"); !u.ok()) return {{}, u};
     if (size > p_->opt.physical_limit - std::min(p_->created_bytes, p_->opt.physical_limit))
       return {0, errno_status(ENOMEM, "memfd_create")};
     p_->created_bytes += size;  // claim first, so concurrent creates cannot overshoot the limit
@@ -177,6 +220,7 @@ result<mem_handle> host_backend::create(std::size_t size, const chunk_props& p) 
 status host_backend::release(mem_handle h) {
   int fd = static_cast<int>(h);
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemRelease"); !u.ok()) return u;
   auto it = p_->handles.find(fd);
   if (it == p_->handles.end()) return errno_status(EBADF, "close");
   // Memory stays while mapped (memfd keeps its pages for live mappings), like cuMemRelease.
@@ -199,6 +243,7 @@ result<chunk_info> host_backend::query(mem_handle h) {
 
 status host_backend::map(std::uintptr_t va, std::size_t size, mem_handle h, std::size_t offset) {
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemMap"); !u.ok()) return u;
   int fd = static_cast<int>(h);
   auto hit = p_->handles.find(fd);
   if (hit == p_->handles.end()) return errno_status(EBADF, "mmap");
@@ -216,6 +261,7 @@ status host_backend::map(std::uintptr_t va, std::size_t size, mem_handle h, std:
 
 status host_backend::unmap(std::uintptr_t va, std::size_t size) {
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemUnmap"); !u.ok()) return u;
   auto it = p_->mappings.find(va);
   if (it == p_->mappings.end() || it->second.size != size) return errno_status(EINVAL, "munmap");
   // Put the reservation back in place (PROT_NONE, no backing), atomically over the old mapping.
@@ -228,6 +274,7 @@ status host_backend::unmap(std::uintptr_t va, std::size_t size) {
 
 status host_backend::set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc> acc) {
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemSetAccess"); !u.ok()) return u;
   if (size == 0 || !p_->aligned(va) || !p_->aligned(size)) return errno_status(EINVAL, "mprotect");
   for (auto& a : acc)  // cpu_device: host memory is the CPU's anyway (accepted, nothing to do)
     if (a.device != cpu_device && (a.device < 0 || a.device >= p_->opt.device_count))
@@ -257,6 +304,7 @@ status host_backend::set_access(std::uintptr_t va, std::size_t size, std::span<c
 
 result<shareable_handle> host_backend::export_handle(mem_handle h, ipc_kind k) {
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemExportToShareableHandle"); !u.ok()) return {{}, u};
   if (!p_->handles.count(static_cast<int>(h))) return {{}, errno_status(EBADF, "dup")};
   if (k == ipc_kind::none) return {{}, errno_status(EINVAL, "dup")};
   if (k == ipc_kind::fabric && !p_->opt.fabric_supported) return {{}, errno_status(EOPNOTSUPP, "dup")};
@@ -277,12 +325,18 @@ result<mem_handle> host_backend::import_handle(const shareable_handle& s) {
   int fd = ::fcntl(s.fd, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) return {0, errno_status(errno, "dup")};
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemImportFromShareableHandle"); !u.ok()) return {{}, u};
   p_->handles[fd] = static_cast<std::size_t>(st.st_size);  // imported memory is the exporter's
   return {static_cast<mem_handle>(fd), {}};
 }
 
 result<fence_t> host_backend::record_fence(stream_t s) {
   std::lock_guard g(p_->mu);
+  if (auto c = p_->captures.find(s); c != p_->captures.end() && !c->second.invalidated) {
+    c->second.invalidated = true;  // an event recorded into a capture is no fence
+    c->second.why = "an event recorded on the capturing stream";
+    return {0, {errc::other, kCaptureInvalidated, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "cuEventRecord"}};
+  }
   if (!p_->held.count(s)) return {0, {}};  // host streams run synchronously: already complete
   fence_t f = p_->next_fence++;
   p_->pending[f] = s;
@@ -292,19 +346,56 @@ result<fence_t> host_backend::record_fence(stream_t s) {
 bool host_backend::fence_done(fence_t f) {
   if (f == 0) return true;
   std::lock_guard g(p_->mu);
+  if (!p_->unsafe("cuEventQuery").ok()) return false;  // refused: never taken for "done"
   return !p_->pending.count(f);
 }
 
 status host_backend::wait_fence(fence_t f) {
+  if (f == 0) return {};
+  {
+    std::lock_guard g(p_->mu);
+    if (status u = p_->unsafe("cuEventSynchronize"); !u.ok()) return u;
+  }
   // A held stream is completed only by the test; waiting on it would deadlock, so say so.
   if (fence_done(f)) return {};
   return errno_status(EPERM, "wait_fence");
+}
+
+result<capture_info> host_backend::capture_of(stream_t s) {
+  std::lock_guard g(p_->mu);
+  auto it = p_->captures.find(s);
+  if (it == p_->captures.end()) return {{}, {}};
+  return {{it->second.invalidated ? capture_state::invalidated : capture_state::active, it->second.id}, {}};
+}
+
+capture_mode host_backend::exchange_capture_mode(capture_mode m) {
+  return std::exchange(tl_capture_mode, m);
+}
+
+std::uint64_t host_backend::begin_capture(stream_t s, capture_mode m) {
+  std::lock_guard g(p_->mu);
+  auto [it, fresh] = p_->captures.try_emplace(s, impl::capture{p_->next_capture, m, std::this_thread::get_id()});
+  if (!fresh) return 0;  // already capturing
+  return p_->next_capture++;
+}
+
+status host_backend::end_capture(stream_t s, std::string* why) {
+  std::lock_guard g(p_->mu);
+  auto it = p_->captures.find(s);
+  if (it == p_->captures.end())
+    return {errc::invalid_value, 0, "CUDA_ERROR_ILLEGAL_STATE", "cuStreamEndCapture"};
+  const impl::capture c = it->second;
+  p_->captures.erase(it);
+  if (!c.invalidated) return {};
+  if (why) *why = c.why;
+  return {errc::other, kCaptureInvalidated, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "cuStreamEndCapture"};
 }
 
 void host_backend::drop_fence(fence_t) {}  // ids are never reused; completed ones hold nothing
 
 result<memory_info> host_backend::mem_info() {
   std::lock_guard g(p_->mu);
+  if (status u = p_->unsafe("cuMemGetInfo"); !u.ok()) return {{}, u};
   return {{p_->opt.physical_limit - std::min(p_->created_bytes, p_->opt.physical_limit), p_->opt.physical_limit}, {}};
 }
 

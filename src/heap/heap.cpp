@@ -5,7 +5,7 @@
 namespace vmm {
 
 
-heap::impl::impl(arena& ar) : a(ar), G(ar.granularity()), pages(ar.pages()) {
+heap::impl::impl(arena& ar, std::uint16_t id) : a(ar), hid(id), G(ar.granularity()), pages(ar.pages()) {
   next_growth = ar.opts().min_chunk;
   // An ipc policy puts every allocation on chunks of its own (an importer must map nothing
   // else): no size classes, everything takes the huge path. Costs up to G - 1 bytes a block.
@@ -26,7 +26,7 @@ heap::impl::impl(arena& ar) : a(ar), G(ar.granularity()), pages(ar.pages()) {
   }
 }
 
-heap::heap(arena& a) : p_(std::make_unique<impl>(a)) {}
+heap::heap(arena& a, std::uint16_t id) : p_(std::make_unique<impl>(a, id)) {}
 
 heap::~heap() {
   for (auto& d : p_->deferred_frees)
@@ -78,7 +78,8 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     if (extra != m.extra_streams.end()) wait_on = extra->second;
     if (s != sl->stream) wait_on.push_back(s);
     std::vector<fence_t> fences;
-    if (status r = m.record_fences(wait_on, fences); !r.ok()) return r;
+    std::vector<stream_t> later;
+    if (status r = m.record_fences(wait_on, fences, later); !r.ok()) return r;
     // Claim the slot: a thread-cache free of the same pointer racing this one (a caller's bug)
     // sees the state change and reports a double free instead of both succeeding.
     if (!sl->swap(i, state, impl::slot_free))
@@ -86,8 +87,8 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     if (extra != m.extra_streams.end()) m.extra_streams.erase(extra);
     m.note_free(sl->requested(i), sl->slot);
     sl->set_requested(i, 0);
-    if (!fences.empty()) {
-      m.deferred_frees.push_back({p, s, std::move(fences)});
+    if (!fences.empty() || !later.empty()) {
+      m.deferred_frees.push_back({p, s, std::move(fences), std::move(later)});
       ++m.st.deferred;
       return {};
     }
@@ -104,12 +105,13 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     if (d.p == p) return fail(errc::invalid_pointer, "double free (free already pending)");
   if (auto it = m.extra_streams.find(p); it != m.extra_streams.end()) {
     std::vector<fence_t> fences;  // refused: the block stays allocated, record_stream state intact
-    if (status r = m.record_fences(it->second, fences); !r.ok()) return r;
+    std::vector<stream_t> later;
+    if (status r = m.record_fences(it->second, fences, later); !r.ok()) return r;
     m.extra_streams.erase(it);
     m.note_free(b->requested, b->size);
-    if (!fences.empty()) {
+    if (!fences.empty() || !later.empty()) {
       b->requested = 0;
-      m.deferred_frees.push_back({p, s, std::move(fences)});
+      m.deferred_frees.push_back({p, s, std::move(fences), std::move(later)});
       ++m.st.deferred;
       return {};
     }
@@ -150,7 +152,7 @@ std::size_t heap::requested_size(std::uintptr_t p) const {
 }
 
 bool heap::impl::reclaim() {
-  const std::size_t before = a.idle_bytes() + a.free_chunk_bytes();
+  const std::size_t before = a.idle_bytes() + a.free_chunk_bytes(hid);
   const std::uint64_t slabs_before = st.slabs, deferred_before = st.deferred;
   poll_deferred();
   (void)a.retry_strays();
@@ -161,7 +163,7 @@ bool heap::impl::reclaim() {
   // needs them and releases the ones that do not fit before it creates anything.
   if (!evict_free_chunks(~std::size_t{0}, true, true).ok()) return false;
   ++st.reclaims;
-  return a.idle_bytes() + a.free_chunk_bytes() != before || st.slabs != slabs_before ||
+  return a.idle_bytes() + a.free_chunk_bytes(hid) != before || st.slabs != slabs_before ||
          st.deferred != deferred_before || a.idle_bytes() != 0;
 }
 
@@ -179,14 +181,15 @@ status heap::trim(std::size_t keep) {
   (void)m.a.retry_strays();  // a refusal stays parked and is reported through take_parked_error
   m.destroy_empty_slabs();  // first: they pin chunks that are otherwise free
   status r = m.a.poll_retiring(true);  // retired ranges: their streams' work first, then the VA back
-  while (r.ok() && m.a.free_chunk_bytes() + m.a.idle_bytes() > keep) {
+  const std::uint16_t h = m.hid;
+  while (r.ok() && m.a.free_chunk_bytes(h) + m.a.idle_bytes() > keep) {
     if (m.a.idle_bytes()) {
-      r = m.a.release_idle(keep > m.a.free_chunk_bytes() ? keep - m.a.free_chunk_bytes() : 0);
-      if (!r.ok() || m.a.free_chunk_bytes() + m.a.idle_bytes() <= keep) break;
+      r = m.a.release_idle(keep > m.a.free_chunk_bytes(h) ? keep - m.a.free_chunk_bytes(h) : 0);
+      if (!r.ok() || m.a.free_chunk_bytes(h) + m.a.idle_bytes() <= keep) break;
     }
-    if (m.a.oldest_free_chunk() == arena::no_chunk) break;
+    if (m.a.oldest_free_chunk(h) == arena::no_chunk) break;
     bool busy = false;
-    r = m.release_chunk(m.a.oldest_free_chunk(), false, true, busy);
+    r = m.release_chunk(m.a.oldest_free_chunk(h), false, true, busy);
   }
   // A release refused during this call is reported by this call only (its handle stays parked and
   // is retried later); the first error wins.

@@ -52,7 +52,8 @@ struct heap_stats {
 
 class heap {
  public:
-  explicit heap(arena& a);
+  // id: this heap's tag on the arena's chunks (0: the allocator's; graph pools get their own).
+  explicit heap(arena& a, std::uint16_t id = 0);
   ~heap();
   heap(const heap&) = delete;
   heap& operator=(const heap&) = delete;

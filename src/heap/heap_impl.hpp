@@ -128,6 +128,7 @@ struct heap::impl {
     std::uintptr_t p;
     stream_t s;
     std::vector<fence_t> fences;
+    std::vector<stream_t> later;  // streams capturing at the free: their fences are recorded after
   };
 
   struct page_entry {
@@ -137,6 +138,7 @@ struct heap::impl {
   slab* slab_at(std::size_t pg) const { return pages[pg].s.load(std::memory_order_acquire); }
 
   arena& a;
+  std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;
   std::vector<page_entry> pages;
 
@@ -165,7 +167,7 @@ struct heap::impl {
 
   heap_stats st;
 
-  explicit impl(arena& ar);
+  impl(arena& ar, std::uint16_t id);
 
   std::size_t small_limit() const { return class_size.empty() ? 0 : class_size.back(); }
   bool whole_chunks() const { return a.whole_chunks(); }  // placement policy (ipc)
@@ -265,7 +267,8 @@ struct heap::impl {
   // ---- deferred frees (record_stream, cross-stream small frees) ----
   // Records a fence on each stream into `out`, all or nothing: if one cannot be recorded, the
   // ones already recorded are dropped, `out` is left empty and the driver's error returned.
-  status record_fences(const std::vector<stream_t>& on, std::vector<fence_t>& out);
+  // Streams being captured get no fence now: they go to `later`.
+  status record_fences(const std::vector<stream_t>& on, std::vector<fence_t>& out, std::vector<stream_t>& later);
   void drop_fences(std::vector<fence_t>& fs);
 
   void poll_deferred();  // completes deferred frees whose fences are done

@@ -61,11 +61,11 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
     status e = evict_free_chunks(size, true, false, &x);
     if (!e.ok()) return {nullptr, e};
   }
-  auto r = a.map_range(size, 0, kOwnerHuge);
-  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
+  auto r = a.map_range(size, 0, kOwnerHuge, nullptr, hid);
+  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};
-    r = a.map_range(size, 0, kOwnerHuge);
+    r = a.map_range(size, 0, kOwnerHuge, nullptr, hid);
   }
   if (!r.ok()) return {nullptr, r.st};
   block* b = new_block();

@@ -115,20 +115,20 @@ status heap::impl::grow(std::size_t need, stream_t x) {
   std::size_t want = ext;
   if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
   std::size_t got = 0;  // mapped: want, or more when a retired handle larger than the rest was used whole
-  auto r = a.map_range(want, at, kOwnerSpan, &got);
+  auto r = a.map_range(want, at, kOwnerSpan, &got, hid);
   if (!r.ok() && want != ext) {
     want = ext;
-    r = a.map_range(want, at, kOwnerSpan, &got);
+    r = a.map_range(want, at, kOwnerSpan, &got, hid);
   }
   if (!r.ok() && at) {  // the hole after the span is gone: start a new span
     want = size;
-    r = a.map_range(want, 0, kOwnerSpan, &got);
+    r = a.map_range(want, 0, kOwnerSpan, &got, hid);
   }
-  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes()) {
+  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);  // last resort: every idle-able chunk
     if (!e.ok()) return e;
     want = size;
-    r = a.map_range(want, 0, kOwnerSpan, &got);
+    r = a.map_range(want, 0, kOwnerSpan, &got, hid);
   }
   if (!r.ok()) return r.st;
   add_span_range(r.value, got, x);
@@ -137,14 +137,14 @@ status heap::impl::grow(std::size_t need, stream_t x) {
 }
 
 status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool wait, const stream_t* for_stream) {
-  std::uint32_t id = a.oldest_free_chunk();
+  std::uint32_t id = a.oldest_free_chunk(hid);
   while (id != arena::no_chunk && a.idle_bytes() < target) {
     bool busy = false;
     status s = release_chunk(id, keep_handle, wait, busy, for_stream);
     if (!s.ok()) return s;
     // A release may unmap several chunks (a stitched huge block): restart from the list head,
     // past the busy ones.
-    id = busy ? a.get(id).lru_next : a.oldest_free_chunk();
+    id = busy ? a.get(id).lru_next : a.oldest_free_chunk(hid);
     while (!busy && id != arena::no_chunk && pending(id, for_stream) == pending_other) id = a.get(id).lru_next;
   }
   return {};
@@ -266,12 +266,12 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
 void heap::impl::maybe_release() {
   const std::size_t keep = a.opts().release_threshold;
   if (a.free_chunk_bytes() + a.idle_bytes() <= keep) return;  // the common case: two loads
-  a.release_idle(keep > a.free_chunk_bytes() ? keep - a.free_chunk_bytes() : 0);
-  std::uint32_t id = a.oldest_free_chunk();
+  a.release_idle(keep > a.free_chunk_bytes() ? keep - a.free_chunk_bytes() : 0);  // allocator-wide: the option is
+  std::uint32_t id = a.oldest_free_chunk(hid);
   while (a.free_chunk_bytes() + a.idle_bytes() > keep && id != arena::no_chunk) {
     bool busy = false;
     if (!release_chunk(id, false, false, busy).ok()) break;
-    id = busy ? a.get(id).lru_next : a.oldest_free_chunk();
+    id = busy ? a.get(id).lru_next : a.oldest_free_chunk(hid);
   }
 }
 

@@ -8,6 +8,9 @@ namespace vmm {
 
 status heap::impl::fence_after(stream_state& ss, stream_t s, std::uint64_t seq_at_free) {
   if (ss.fence_seq > seq_at_free) return {};
+  // An event recorded into a capture is a graph node, not a point the stream reaches: none is
+  // recorded while s captures, and what waits on s waits until the capture is over.
+  if (a.drv().capturing(s)) return {errc::other, 0, "the stream is being captured", "record_fence"};
   auto r = a.drv().record_fence(s);
   if (!r.ok()) return r.st;
   if (ss.fence) a.drv().drop_fence(ss.fence);
@@ -42,8 +45,13 @@ status heap::impl::wait_covered(stream_t s, std::uint64_t seq_at_free) {
   return {};
 }
 
-status heap::impl::record_fences(const std::vector<stream_t>& on, std::vector<fence_t>& out) {
+status heap::impl::record_fences(const std::vector<stream_t>& on, std::vector<fence_t>& out,
+                                 std::vector<stream_t>& later) {
   for (auto xs : on) {
+    if (a.drv().capturing(xs)) {  // no fence into a capture: recorded once the capture is over
+      later.push_back(xs);
+      continue;
+    }
     auto f = a.drv().record_fence(xs);
     if (!f.ok()) {
       drop_fences(out);
@@ -62,7 +70,22 @@ void heap::impl::drop_fences(std::vector<fence_t>& fs) {
 void heap::impl::poll_deferred() {
   for (std::size_t i = 0; i < deferred_frees.size();) {
     auto& d = deferred_frees[i];
-    bool done = true;
+    for (std::size_t k = 0; k < d.later.size();) {  // streams that were capturing at the free
+      stream_t xs = d.later[k];
+      if (a.drv().capturing(xs)) {
+        ++k;
+        continue;
+      }
+      auto f = a.drv().record_fence(xs);
+      if (!f.ok()) {
+        ++k;
+        continue;
+      }
+      if (f.value) d.fences.push_back(f.value);
+      d.later[k] = d.later.back();
+      d.later.pop_back();
+    }
+    bool done = d.later.empty();
     for (auto f : d.fences) done = done && a.drv().fence_done(f);  // queries only, never waits
     if (!done) {
       ++i;

@@ -19,7 +19,7 @@ namespace vmm::vm {
 
 class driver {
  public:
-  explicit driver(backend_iface* b) noexcept : b_(b) {}  // b must be set before any call
+  explicit driver(backend_iface* b) noexcept : b_(b), capture_(b && (b->capabilities() & cap_capture)) {}
   driver(const driver&) = delete;
   driver& operator=(const driver&) = delete;
 
@@ -28,27 +28,36 @@ class driver {
   unsigned capabilities() { return b_->capabilities(); }
 
   result<granularity_info> granularity(const chunk_props& p) { return note(n_.granularity, b_->granularity(p)); }
-  result<std::uintptr_t> reserve(std::size_t n, std::size_t align) { return note(n_.reserve, b_->reserve(n, align)); }
-  status free_reservation(std::uintptr_t va, std::size_t n) { return note(n_.free_reservation, b_->free_reservation(va, n)); }
-  result<mem_handle> create(std::size_t n, const chunk_props& p) { return note(n_.create, b_->create(n, p)); }
-  status release(mem_handle h) { return note(n_.release, b_->release(h)); }
-  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) { return note(n_.map, b_->map(va, n, h, off)); }
-  status unmap(std::uintptr_t va, std::size_t n) { return note(n_.unmap, b_->unmap(va, n)); }
+  result<std::uintptr_t> reserve(std::size_t n, std::size_t align) { relaxed r(*this); return note(n_.reserve, b_->reserve(n, align)); }
+  status free_reservation(std::uintptr_t va, std::size_t n) { relaxed r(*this); return note(n_.free_reservation, b_->free_reservation(va, n)); }
+  result<mem_handle> create(std::size_t n, const chunk_props& p) { relaxed r(*this); return note(n_.create, b_->create(n, p)); }
+  status release(mem_handle h) { relaxed r(*this); return note(n_.release, b_->release(h)); }
+  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) { relaxed r(*this); return note(n_.map, b_->map(va, n, h, off)); }
+  status unmap(std::uintptr_t va, std::size_t n) { relaxed r(*this); return note(n_.unmap, b_->unmap(va, n)); }
   status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) {
+    relaxed r(*this);
     return note(n_.set_access, b_->set_access(va, n, a));
   }
-  result<memory_info> mem_info() { return note(n_.mem_info, b_->mem_info()); }
-  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) { return note(n_.export_handle, b_->export_handle(h, k)); }
-  result<mem_handle> import_handle(const shareable_handle& s) { return note(n_.import_handle, b_->import_handle(s)); }
-  result<chunk_info> query(mem_handle h) { return note(n_.query, b_->query(h)); }
+  result<memory_info> mem_info() { relaxed r(*this); return note(n_.mem_info, b_->mem_info()); }
+  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) { relaxed r(*this); return note(n_.export_handle, b_->export_handle(h, k)); }
+  result<mem_handle> import_handle(const shareable_handle& s) { relaxed r(*this); return note(n_.import_handle, b_->import_handle(s)); }
+  result<chunk_info> query(mem_handle h) { relaxed r(*this); return note(n_.query, b_->query(h)); }
+  // Never on a capturing stream (an event recorded into a capture is no fence): callers check.
   result<fence_t> record_fence(stream_t s) { return note(n_.record_fence, b_->record_fence(s)); }
   bool fence_done(fence_t f) {
     bump(n_.fence_query);
+    relaxed r(*this);
     return b_->fence_done(f);
   }
-  status wait_fence(fence_t f) { return note(n_.wait_fence, b_->wait_fence(f)); }
+  status wait_fence(fence_t f) { relaxed r(*this); return note(n_.wait_fence, b_->wait_fence(f)); }
   void drop_fence(fence_t f) { b_->drop_fence(f); }  // frees an event: not a driver round trip we count
   bool can_access_peer(int device, int peer) { return b_->can_access_peer(device, peer); }
+  // Whether s is being captured into a graph now (false on backends without capture).
+  bool capturing(stream_t s) {
+    if (!capture_) return false;
+    auto c = b_->capture_of(s);
+    return !c.ok() || c.value.state != capture_state::none;  // unknown: treated as capturing
+  }
 
   // Teardown and rollback cannot leave memory behind on one refusal: the call is made once more.
   template <class F>
@@ -75,6 +84,23 @@ class driver {
   };
 
  private:
+  // Calls the driver counts as unsafe during a stream capture run with this thread in relaxed
+  // mode (PyTorch does the same around its cudaMalloc), so the allocator's own driver work never
+  // invalidates a capture on this thread or another. Two thread-local driver calls (~0.1 us)
+  // around a 1-600 us call; nothing without the capture capability.
+  struct relaxed {
+    driver& d;
+    capture_mode old = capture_mode::relaxed;
+    explicit relaxed(driver& x) : d(x) {
+      if (d.capture_) old = d.b_->exchange_capture_mode(capture_mode::relaxed);
+    }
+    ~relaxed() {
+      if (d.capture_) d.b_->exchange_capture_mode(old);
+    }
+    relaxed(const relaxed&) = delete;
+    relaxed& operator=(const relaxed&) = delete;
+  };
+
   struct counters {
     std::atomic<std::uint64_t> reserve{0}, free_reservation{0}, create{0}, release{0}, map{0}, unmap{0},
         set_access{0}, export_handle{0}, import_handle{0}, granularity{0}, query{0}, mem_info{0},
@@ -95,6 +121,7 @@ class driver {
   }
 
   backend_iface* b_;
+  bool capture_;  // the backend has the capture part
   counters n_;
 };
 

@@ -37,6 +37,9 @@ struct allocator_stats {
   // work was still running (the GPU behind the CPU); their old VA stays mapped until it is done.
   std::uint64_t chunks_retired = 0;
   std::size_t retiring = 0;             // bytes of VA of such chunks not yet unmapped
+  std::uint64_t pools = 0;              // graph pools alive (begun, or released with live blocks)
+  std::size_t pool_allocated = 0;       // bytes of live blocks in graph pools (inside `allocated`)
+  std::size_t pool_held = 0;            // mapped bytes owned by graph pools (inside `mapped`)
   std::size_t compressed = 0;           // mapped bytes the driver granted compression for
   std::uint64_t ipc_fallbacks = 0;      // fabric asked for, POSIX fds used
   std::uint64_t access_changes = 0;     // grant/revoke calls that changed the access table

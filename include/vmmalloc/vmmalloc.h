@@ -69,6 +69,11 @@ typedef struct vmm_stats {
   uint64_t compression_fallbacks, ipc_fallbacks, access_changes, exported, exported_released;
   uint64_t traced_events;
   double fragmentation;    /* 1 - requested / mapped (0 when nothing is mapped) */
+  uint64_t reclaims;       /* out-of-memory paths that gave free memory back and retried */
+  uint64_t chunks_retired; /* free chunks reused while their stream still ran behind */
+  uint64_t pools;          /* graph pools alive */
+  size_t pool_allocated;   /* bytes of live blocks in graph pools */
+  size_t pool_held;        /* mapped bytes owned by graph pools */
 } vmm_stats;
 
 /* Occupancy of one size class (small allocations live in slabs of equal slots). */
@@ -101,6 +106,16 @@ vmm_status vmm_get_class_stats(vmm_allocator* a, vmm_class_stats* out, size_t ca
 /* Run-time peer access: every mapped chunk and every later one, one driver call per mapped run. */
 vmm_status vmm_grant(vmm_allocator* a, int device, int read_only);
 vmm_status vmm_revoke(vmm_allocator* a, int device);
+
+/* Graph pools (CUDA graphs; PyTorch's private pools): between vmm_begin_pool and vmm_end_pool,
+ * allocations on the streams `filter` accepts (every stream when filter is NULL) come from pool
+ * `pool`, whose memory goes to no other work until vmm_release_pool. See vmm::allocator::begin_pool.
+ * filter(stream, user) returns nonzero to accept; it is called with the allocator's lock held and
+ * must not call back into the allocator. */
+typedef int (*vmm_stream_filter)(void* stream, void* user);
+vmm_status vmm_begin_pool(vmm_allocator* a, uint64_t pool, vmm_stream_filter filter, void* user);
+vmm_status vmm_end_pool(vmm_allocator* a, uint64_t pool);     /* error: not begun */
+vmm_status vmm_release_pool(vmm_allocator* a, uint64_t pool); /* error: unknown, or still begun */
 
 vmm_status vmm_last_status(void);
 const char* vmm_last_error(void); /* "" when the last call on this thread succeeded */

@@ -12,6 +12,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -77,6 +79,23 @@ class allocator {
   // reused while an importer may map them). Throws vmm::error; try_ form returns the status.
   ipc::export_handle export_ipc(void* p);
   status try_export_ipc(void* p, ipc::export_handle& out) noexcept;
+
+  // ---- graph pools (CUDA graphs: PyTorch's private pools) ----
+  // Between begin_pool(id, filter) and end_pool(id), allocations on the streams `filter` accepts
+  // (all, when it is empty) come from pool `id` (made at its first begin); its memory goes to no
+  // other work until release_pool(id), so replays of the captured graph find their addresses as
+  // they were. A block of the pool freed during the capture is reusable by later allocations of
+  // that capture only; freed after, it returns to the pool. Several captures may share a pool
+  // (begin it again), several pools may be begun at once. While any pool is begun, thread caches
+  // are bypassed. Allocation and free never invalidate a capture: no event is recorded or queried
+  // on a capturing stream, and the driver's calls run with the thread in relaxed capture mode.
+  using pool_id = std::uint64_t;
+  void begin_pool(pool_id id, std::function<bool(stream_t)> filter = {});
+  // Throws vmm::error for a pool that is not begun.
+  void end_pool(pool_id id);
+  // The pool's free memory goes back now, the rest as its blocks are freed. Throws vmm::error for
+  // an unknown pool or one still begun.
+  void release_pool(pool_id id);
 
   // Releases empty slabs, free chunks and idle physical memory down to `keep` bytes kept.
   void trim(std::size_t keep = 0);

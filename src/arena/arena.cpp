@@ -262,6 +262,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     chunks_[id] = chunk{va + off, p.size, p.h, 0, no_chunk, no_chunk, owner, heap, marked};
     for (std::size_t pg = page_of(va + off), e = pg + p.size / gran_; pg < e; ++pg) page_map_[pg] = id;
     mapped_ += p.size;
+    count_mapped(chunks_[id], true);
     if (marked) compressed_bytes_ += p.size;
     if (!p.created) ++stitched_;
     ++chunk_count_;
@@ -305,6 +306,7 @@ status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
   for (std::size_t pg = page_of(c.va), e = pg + c.size / gran_; pg < e; ++pg) page_map_[pg] = no_chunk;
   give_hole(c.va, c.size);
   mapped_ -= c.size;
+  count_mapped(c, false);
   if (c.compressed) compressed_bytes_ -= c.size;
   --chunk_count_;
   // The unmap happened: from here on the chunk is gone whatever release() says.
@@ -340,6 +342,7 @@ void arena::retire_chunk(std::uint32_t id, fence_t fence) {
   lru_remove(id);
   for (std::size_t pg = page_of(c.va), e = pg + c.size / gran_; pg < e; ++pg) page_map_[pg] = no_chunk;
   mapped_ -= c.size;
+  count_mapped(c, false);
   if (c.compressed) compressed_bytes_ -= c.size;
   --chunk_count_;
   retiring_.push_back({c.va, c.size, c.handle, fence, false});
@@ -376,6 +379,12 @@ status arena::poll_retiring(bool wait) {
     retiring_.pop_back();
   }
   return first;
+}
+
+void arena::count_mapped(const chunk& c, bool add) {
+  if (c.heap >= lru_.size()) lru_.resize(c.heap + 1);
+  if (add) lru_[c.heap].mapped += c.size;
+  else lru_[c.heap].mapped -= c.size;
 }
 
 void arena::lru_push(std::uint32_t id) {

@@ -123,6 +123,7 @@ class arena {
   std::uint32_t oldest_free_chunk(std::uint16_t heap) const { return heap < lru_.size() ? lru_[heap].head : no_chunk; }
   std::size_t free_chunk_bytes(std::uint16_t heap) const { return heap < lru_.size() ? lru_[heap].bytes : 0; }
   std::size_t free_chunk_bytes() const { return free_chunk_bytes_; }
+  std::size_t mapped_bytes(std::uint16_t heap) const { return heap < lru_.size() ? lru_[heap].mapped : 0; }
   // Which heap owns the chunk mapped at a (0 when none: the caller's heap then reports the pointer).
   std::uint16_t heap_at(std::uintptr_t a) const {
     const std::uint32_t id = chunk_at(a);
@@ -201,10 +202,11 @@ class arena {
   std::size_t retired_held_ = 0;  // bytes of released handles still mapped by a retired range
   bool note_release_of_aliased(mem_handle h, std::size_t size);
   bool aliased(mem_handle h) const;
-  struct lru_list {
+  struct lru_list {  // per heap: its free chunks, and every byte it has mapped
     std::uint32_t head = no_chunk, tail = no_chunk;
-    std::size_t bytes = 0;
+    std::size_t bytes = 0, mapped = 0;
   };
+  void count_mapped(const chunk& c, bool add);
   std::vector<lru_list> lru_;  // per heap
 
   std::size_t compressed_bytes_ = 0;  // mapped bytes the driver granted compression for

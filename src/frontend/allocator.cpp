@@ -29,6 +29,7 @@ allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(st
   status s = p_->ar->open();
   if (!s.ok()) throw_status(s, "vmm::allocator");
   p_->hp = std::make_unique<heap>(*p_->ar);
+  p_->heaps[0] = p_->hp.get();
   if (!o.trace_path.empty()) {
     p_->trace = std::make_unique<trace_writer>();
     if (status t = p_->trace->open(o.trace_path); !t.ok())
@@ -57,7 +58,8 @@ allocator::~allocator() {
     p_->caches.clear();
   }
   forget_thread_cache(p_->id);
-  p_->hp.reset();  // metadata first, then the arena unmaps and releases everything
+  p_->pools.clear();  // metadata first, then the arena unmaps and releases everything
+  p_->hp.reset();
   p_->ar.reset();
 }
 allocator::allocator(allocator&&) noexcept = default;
@@ -89,7 +91,10 @@ std::string allocator_impl::out_of_memory_detail() const {
 void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
   impl& m = *p_;
   if (alignment == 0) alignment = m.ar->opts().alignment;
-  if (m.tc_enabled && alignment <= 256 && (alignment & (alignment - 1)) == 0) {
+  // Thread caches hold slots of the own heap: while a graph pool is begun, allocations take the
+  // locked path, which decides between the pool and the own heap.
+  if (m.tc_enabled && alignment <= 256 && (alignment & (alignment - 1)) == 0 &&
+      m.capturing.load(std::memory_order_acquire) == 0) {
     int cls = m.hp->small_class(bytes);
     if (cls >= 0) {
       tcache& c = m.my_cache();
@@ -130,12 +135,13 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
   std::string why;
   {
     std::lock_guard g(m.mu);
-    r = m.hp->allocate(bytes, alignment, s);  // reclaims and retries once inside
+    heap& h = m.heap_for(s);
+    r = h.allocate(bytes, alignment, s);  // reclaims and retries once inside
     if (!r.ok() && r.st.kind == errc::out_of_memory) {
       // This thread's cached slots may pin slabs the heap could give back: return them, try again.
       if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->cached_count.get()) {
         m.flush_cache(*tl_cache, true);
-        r = m.hp->allocate(bytes, alignment, s);
+        r = h.allocate(bytes, alignment, s);
       }
       if (!r.ok()) why = m.out_of_memory_detail();
     }
@@ -187,8 +193,10 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
   status st;
   {
     std::lock_guard g(m.mu);
-    const std::size_t req = m.trace ? m.hp->requested_size(u) : 0;
-    st = m.hp->deallocate(u, s);
+    heap& h = m.owner_of(u);
+    const std::size_t req = m.trace ? h.requested_size(u) : 0;
+    st = h.deallocate(u, s);
+    if (st.ok() && &h != m.hp.get()) m.after_free(h);
     // Under mu: another thread cannot reuse the address and trace its allocation first.
     if (m.trace && st.ok()) [[unlikely]] m.trace->event('f', u, req, s);
   }
@@ -232,7 +240,7 @@ status allocator::try_export_ipc(void* p, ipc::export_handle& out) noexcept {
     std::lock_guard g(m.mu);
     std::vector<std::uint32_t> ids;
     std::size_t bytes = 0;
-    st = m.hp->export_chunks(reinterpret_cast<std::uintptr_t>(p), ids, bytes);
+    st = m.owner_of(reinterpret_cast<std::uintptr_t>(p)).export_chunks(reinterpret_cast<std::uintptr_t>(p), ids, bytes);
     if (st.ok()) {
       ipc::export_handle h;  // closes the fds already exported if a later chunk fails
       h.kind = m.ar->props().ipc;
@@ -275,14 +283,16 @@ void allocator::record_stream(void* p, stream_t s) {
   status st;
   {
     std::lock_guard g(p_->mu);
-    st = p_->hp->record_stream(reinterpret_cast<std::uintptr_t>(p), s);
+    const auto u = reinterpret_cast<std::uintptr_t>(p);
+    st = p_->owner_of(u).record_stream(u, s);
   }
   if (!st.ok()) throw_status(st, "vmm::allocator::record_stream");
 }
 
 std::size_t allocator::usable_size(const void* p) const {
   std::lock_guard g(p_->mu);
-  return p_->hp->usable_size(reinterpret_cast<std::uintptr_t>(p));
+  const auto u = reinterpret_cast<std::uintptr_t>(p);
+  return p_->owner_of(u).usable_size(u);
 }
 
 void allocator::trim(std::size_t keep) {

@@ -4,12 +4,15 @@
 //   thread_cache.cpp  per-thread caches of small slots
 //   trace_writer.cpp  trace recording
 //   stats.cpp         stats(), class_stats(), check()
+//   graph_pools.cpp   graph pools: which heap an allocation comes from, which heap owns a block
 //   c_api.cpp         the C API over all of it
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <unordered_map>
 #include <mutex>
 #include <vector>
 
@@ -24,9 +27,21 @@ namespace vmm {
 
 inline std::atomic<std::uint64_t> next_allocator_id{1};
 
+// A graph pool: a heap of its own over the shared arena (memory from and back to the same idle
+// handles), so nothing it holds goes to other work until it is released.
+struct graph_pool {
+  std::unique_ptr<heap> hp;
+  int begun = 0;          // begin_pool calls not yet ended (captures allocating to it now)
+  bool released = false;  // release_pool called: memory goes back as its blocks are freed
+};
+struct pool_capture {
+  allocator::pool_id pool;
+  std::function<bool(stream_t)> filter;  // empty: every stream
+};
+
 struct allocator::impl {
   std::unique_ptr<arena> ar;
-  std::unique_ptr<heap> hp;
+  std::unique_ptr<heap> hp;  // the allocator's own heap (id 0)
   mutable std::mutex mu;
   std::uint64_t id = next_allocator_id.fetch_add(1);
   bool tc_enabled = false;
@@ -38,6 +53,18 @@ struct allocator::impl {
                 retired_flushed = 0;
   std::unique_ptr<trace_writer> trace;  // null unless options.trace_path is set
   std::uint64_t exported = 0;           // under mu
+
+  // Graph pools (graph_pools.cpp), under mu; `capturing` is also read without the lock by the
+  // hot path: thread caches are bypassed while a pool is begun (their slots are the own heap's).
+  std::unordered_map<pool_id, graph_pool> pools;
+  std::vector<pool_capture> captures;      // begun pools, in begin order
+  std::vector<heap*> heaps{nullptr};       // by heap id: [0] = hp, pools' heaps after it
+  std::vector<std::uint16_t> free_heap_ids;
+  std::atomic<int> capturing{0};
+  heap& heap_for(stream_t s);              // where an allocation on s comes from
+  heap& owner_of(std::uintptr_t p);        // the heap that owns the block at p (hp when none)
+  void after_free(heap& h);                // a released pool whose last block went is dropped
+  void drop_pool(pool_id id, graph_pool& gp);
 
   std::string out_of_memory_detail() const;
   tcache& my_cache() { return tl_cache_owner == id ? *tl_cache : my_cache_slow(); }

@@ -3,6 +3,7 @@
 #include "vmmalloc/vmmalloc.h"
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <type_traits>
 
@@ -98,6 +99,23 @@ void init_c(C& c, const T& v) { c = static_cast<C>(v); }
 
 vmm_status bad_field(const char* field, const char* what) {
   return set(VMM_ERROR_INVALID_VALUE, std::string("vmm_create: policy.") + field + " " + what);
+}
+}  // namespace
+
+namespace {
+template <class F>
+vmm_status pool_call(vmm_allocator* a, const char* fn, F&& f) {
+  if (!a) return set(VMM_ERROR_INVALID_VALUE, std::string(fn) + ": allocator is NULL");
+  try {
+    f();
+  } catch (const vmm::error& e) {
+    return set(to_c(e.st().kind), e.what());
+  } catch (const vmm::out_of_memory& e) {
+    return set(VMM_ERROR_OUT_OF_MEMORY, e.what());
+  } catch (const std::exception& e) {
+    return set(VMM_ERROR_OTHER, std::string(fn) + ": " + e.what());
+  }
+  return ok();
 }
 }  // namespace
 
@@ -222,7 +240,8 @@ vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out) {
                    s.idle, s.free_chunk_bytes, s.slab_bytes, s.deferred,
                    s.grows, s.chunk_releases, s.trims, s.stitched,
                    s.compression_fallbacks, s.ipc_fallbacks, s.access_changes, s.exported, s.exported_released,
-                   s.traced_events, s.fragmentation};
+                   s.traced_events, s.fragmentation, s.reclaims, s.chunks_retired, s.pools,
+                   s.pool_allocated, s.pool_held};
   return ok();
 }
 vmm_status vmm_reset_peaks(vmm_allocator* a) {
@@ -258,6 +277,20 @@ vmm_status vmm_grant(vmm_allocator* a, int device, int read_only) {
 }
 vmm_status vmm_revoke(vmm_allocator* a, int device) {
   return set_access(a, device, vmm::access_mode::none, "vmm_revoke");
+}
+
+vmm_status vmm_begin_pool(vmm_allocator* a, uint64_t pool, vmm_stream_filter filter, void* user) {
+  return pool_call(a, "vmm_begin_pool", [&] {
+    std::function<bool(vmm::stream_t)> f;
+    if (filter) f = [filter, user](vmm::stream_t s) { return filter(s, user) != 0; };
+    a->a.begin_pool(pool, std::move(f));
+  });
+}
+vmm_status vmm_end_pool(vmm_allocator* a, uint64_t pool) {
+  return pool_call(a, "vmm_end_pool", [&] { a->a.end_pool(pool); });
+}
+vmm_status vmm_release_pool(vmm_allocator* a, uint64_t pool) {
+  return pool_call(a, "vmm_release_pool", [&] { a->a.release_pool(pool); });
 }
 
 vmm_status vmm_check(vmm_allocator* a) {

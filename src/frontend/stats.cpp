@@ -9,6 +9,24 @@ allocator_stats allocator::stats() const {
   std::lock_guard g(p_->mu);
   heap_stats h = p_->hp->stats();
   arena_stats a = p_->ar->stats();
+  // Graph pools' heaps: their live blocks and counters are the allocator's too.
+  std::size_t pool_alloc = 0, pool_held = 0;
+  for (const auto& [id, gp] : p_->pools) {
+    const heap_stats x = gp.hp->stats();
+    pool_alloc += x.allocated;
+    pool_held += p_->ar->mapped_bytes(gp.hp->id());
+    h.requested += x.requested;
+    h.allocated += x.allocated;
+    h.live += x.live;
+    h.allocs += x.allocs;
+    h.frees += x.frees;
+    h.slab_bytes += x.slab_bytes;
+    h.deferred += x.deferred;
+    h.grows += x.grows;
+    h.chunk_releases += x.chunk_releases;
+    h.reclaims += x.reclaims;
+    h.chunks_retired += x.chunks_retired;
+  }
   // Slots in thread caches are allocated as far as the heap knows; the user sees them as free.
   std::uint64_t req = p_->retired_req, cached_b = 0, cached_n = 0, fa = p_->retired_allocs,
                 ff = p_->retired_frees, rf = p_->retired_refilled, fl = p_->retired_flushed;
@@ -49,6 +67,9 @@ allocator_stats allocator::stats() const {
   s.chunk_releases = h.chunk_releases;
   s.trims = h.trims;
   s.reclaims = h.reclaims;
+  s.pools = p_->pools.size();
+  s.pool_allocated = pool_alloc;
+  s.pool_held = pool_held;
   s.chunks_retired = h.chunks_retired;
   s.retiring = a.retiring_bytes;
   s.stitched = a.stitched;
@@ -98,7 +119,10 @@ std::string allocator::check() const {
       others = true;
     }
   }
-  return p_->hp->check(req, !others);
+  if (std::string e = p_->hp->check(req, !others); !e.empty()) return e;
+  for (const auto& [id, gp] : p_->pools)
+    if (std::string e = gp.hp->check(0, true); !e.empty()) return "graph pool " + std::to_string(id) + ": " + e;
+  return p_->ar->check();
 }
 
 }  // namespace vmm

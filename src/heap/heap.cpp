@@ -152,6 +152,7 @@ std::size_t heap::requested_size(std::uintptr_t p) const {
 }
 
 bool heap::impl::reclaim() {
+  if (private_pool) return false;
   const std::size_t before = a.idle_bytes() + a.free_chunk_bytes(hid);
   const std::uint64_t slabs_before = st.slabs, deferred_before = st.deferred;
   poll_deferred();
@@ -176,6 +177,7 @@ void heap::impl::destroy_empty_slabs() {
 
 status heap::trim(std::size_t keep) {
   auto& m = *p_;
+  if (m.private_pool) return {};
   ++m.st.trims;
   m.poll_deferred();
   (void)m.a.retry_strays();  // a refusal stays parked and is reported through take_parked_error
@@ -198,6 +200,8 @@ status heap::trim(std::size_t keep) {
 }
 
 heap_stats heap::stats() const { return p_->st; }
+std::uint16_t heap::id() const { return p_->hid; }
+void heap::set_private(bool on) { p_->private_pool = on; }
 
 void heap::reset_peaks() {
   p_->st.peak_requested = p_->st.requested;

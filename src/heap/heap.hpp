@@ -82,7 +82,13 @@ class heap {
   status trim(std::size_t keep);
 
   heap_stats stats() const;
+  std::uint16_t id() const;  // its tag on the arena's chunks
+  // A graph pool's heap keeps every byte it mapped where it is until released: a captured graph
+  // replays on the addresses of blocks freed during its capture too. No stitching, no release
+  // threshold, no trim, no reclaim while private.
+  void set_private(bool on);
   void reset_peaks();
+  // Its own structures and chunks; the arena's invariants are arena::check().
   // requested_outside: requested bytes the front end's thread caches account for (mod 2^64).
   // exact_requested = false: skip the requested-bytes sum (thread caches may be changing it).
   std::string check(std::uint64_t requested_outside = 0, bool exact_requested = true) const;

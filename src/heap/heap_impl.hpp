@@ -138,6 +138,7 @@ struct heap::impl {
   slab* slab_at(std::size_t pg) const { return pages[pg].s.load(std::memory_order_acquire); }
 
   arena& a;
+  bool private_pool = false;  // a graph pool's: every mapped byte stays (see heap::set_private)
   std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;
   std::vector<page_entry> pages;

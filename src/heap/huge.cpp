@@ -18,7 +18,7 @@ status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* reti
     std::uint32_t id = a.chunk_at(b->addr + b->size - 1);
     std::size_t cs = a.get(id).size;
     if (retire_for) {
-      auto f = a.drv().record_fence(*retire_for);  // one per chunk: each retired range owns its fence
+      auto f = a.drv().record_fence(*retire_for);  // release_chunk checked it does not capture  // one per chunk: each retired range owns its fence
       if (!f.ok()) return f.st;
       a.retire_chunk(id, f.value);
       ++st.chunks_retired;

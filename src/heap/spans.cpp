@@ -137,6 +137,7 @@ status heap::impl::grow(std::size_t need, stream_t x) {
 }
 
 status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool wait, const stream_t* for_stream) {
+  if (private_pool) return {};
   std::uint32_t id = a.oldest_free_chunk(hid);
   while (id != arena::no_chunk && a.idle_bytes() < target) {
     bool busy = false;
@@ -177,7 +178,8 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
   bool retire = false;
   if (!wait) {
     const int p = pending(id, for_stream);
-    retire = p == pending_same && keep_handle;
+    // The retired range's fence is recorded on the requesting stream: not while it captures.
+    retire = p == pending_same && keep_handle && !a.drv().capturing(*for_stream);
     busy = p == pending_other || (p == pending_same && !retire);
     if (busy) return {};
   }
@@ -264,6 +266,7 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
 }
 
 void heap::impl::maybe_release() {
+  if (private_pool) return;
   const std::size_t keep = a.opts().release_threshold;
   if (a.free_chunk_bytes() + a.idle_bytes() <= keep) return;  // the common case: two loads
   a.release_idle(keep > a.free_chunk_bytes() ? keep - a.free_chunk_bytes() : 0);  // allocator-wide: the option is

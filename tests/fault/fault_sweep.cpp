@@ -18,6 +18,9 @@
 //     (documented policy: teardown cannot report, it goes on and leaks only what was refused).
 // One-shot faults are swept with all three driver errors; sticky faults (the k-th and every later
 // call of that kind fail until the API call returns) with one error per k, rotating.
+// Combined faults: the k-th call of one kind fails and a second kind then fails inside its
+// rollback (once, twice, or until the call returns); after that step the runner also maps every
+// hole of the reservation (fill_reservation), so a range still mapped but counted as a hole shows.
 //
 // Extra options (before doctest's own): --ops=create,map,...  sweep only these kinds;
 // --skip-ops=release,...  sweep all but these (to isolate a kind while debugging).

@@ -18,6 +18,9 @@
 //     (documented policy: teardown cannot report, it goes on and leaks only what was refused).
 // One-shot faults are swept with all three driver errors; sticky faults (the k-th and every later
 // call of that kind fail until the API call returns) with one error per k, rotating.
+// Combined faults: the k-th call of one kind fails and a second kind then fails inside its
+// rollback (once, twice, or until the call returns); after that step the runner also maps every
+// hole of the reservation (fill_reservation), so a range still mapped but counted as a hole shows.
 //
 // Extra options (before doctest's own): --ops=create,map,...  sweep only these kinds;
 // --skip-ops=release,...  sweep all but these (to isolate a kind while debugging).
@@ -220,6 +223,92 @@ TEST_CASE("fault sweep: the workloads are clean when nothing is injected") {
 TEST_CASE("fault sweep: one-shot faults, every op kind x every k x three driver errors") { run_sweep(false); }
 
 TEST_CASE("fault sweep: sticky faults (the k-th and later calls fail until the API call returns)") { run_sweep(true); }
+
+// ---- combined faults: a second refusal inside the rollback of the first ----------------------
+
+namespace {
+
+struct pair_spec {
+  op first, second;
+  bool reached;  // whether the allocator's undoing of `first` calls `second` at all
+  const char* what;
+};
+// The rollback paths of arena::map_range (vm::mapping_txn): what undoing each failure calls.
+// A refused create calls no release: the idle pieces taken for the range go back to the idle
+// cache, and the one created piece is the last (fault_pairs.cpp checks that case directly).
+constexpr pair_spec kPairs[] = {
+    {op::map, op::unmap, true, "map refused, then unmapping an earlier piece refused"},
+    {op::set_access, op::unmap, true, "set_access refused, then unmapping the range refused"},
+    {op::set_access, op::release, true, "set_access refused, then releasing the created handle refused"},
+    {op::map, op::release, true, "map refused, then releasing its created handle refused"},
+    {op::create, op::release, false, "create refused (idle pieces taken), then any release in that call refused"},
+};
+
+struct pair_totals {
+  std::uint64_t runs = 0, fired = 0, strays = 0, fills = 0;
+};
+
+}  // namespace
+
+// Every k of the first kind x the second refused once (the rollback's retry absorbs it), twice
+// (parked as a stray) or until the API call returns. After the step that met the faults the
+// runner checks check(), live blocks, the decorator's counts against the host backend, and maps
+// every hole of the reservation (fill_reservation: a range still mapped but counted as a hole
+// makes the host backend refuse the map); the call then succeeds, the workload runs to its end
+// (trim(0): zero mapped and physical) and destruction leaves nothing live.
+TEST_CASE("fault sweep: combined faults, a refusal inside the rollback of another") {
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> problems;
+  std::array<pair_totals, std::size(kPairs)> tot{};
+  constexpr std::uint64_t times[] = {1, 2, fault_state::then_sticky};
+  for (std::size_t w = 0; w < workloads().size(); ++w) {
+    const workload& wl = workloads()[w];
+    const run_result& base = unarmed(w);
+    for (std::size_t pi = 0; pi < std::size(kPairs); ++pi) {
+      const pair_spec& pr = kPairs[pi];
+      for (std::uint64_t k = 1; k <= base.total[static_cast<int>(pr.first)]; ++k)
+        for (std::size_t ti = 0; ti < std::size(times); ++ti) {
+          run_config c;
+          c.armed = true;
+          c.which = pr.first;
+          c.k = k;
+          // A refused create is followed by more driver work only when it is out of memory (the
+          // heap reclaims and retries; a release of idle handles may come then).
+          c.f = pr.first == op::create ? fault::out_of_memory : static_cast<fault>(k % fault_count);
+          c.then = true;
+          c.then_which = pr.second;
+          c.then_f = static_cast<fault>((k + ti + 1) % fault_count);
+          c.then_times = times[ti];
+          c.exceptions = (k + ti) % 2 == 1;
+          c.fill = true;
+          run_result r = run_workload(c, wl.script, wl.opts, wl.end_empty);
+          pair_totals& t = tot[pi];
+          ++t.runs;
+          t.fired += r.injected_then > 0;
+          t.strays += r.stray_bytes_seen > 0;
+          t.fills += r.fills;
+          if (r.injected == 0) problems.push_back(std::string(wl.name) + ": " + detail::describe(c) + ": never fired");
+          for (auto& p : r.problems) problems.push_back(std::string(wl.name) + ": " + p);
+        }
+    }
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("combined-fault sweep in %.1f s (runs / second fault fired / strays parked / reservation fills):\n", secs);
+  for (std::size_t pi = 0; pi < std::size(kPairs); ++pi)
+    std::printf("  %-12s -> %-8s %5llu / %5llu / %5llu / %5llu   %s\n", op_name(kPairs[pi].first),
+                op_name(kPairs[pi].second), static_cast<unsigned long long>(tot[pi].runs),
+                static_cast<unsigned long long>(tot[pi].fired), static_cast<unsigned long long>(tot[pi].strays),
+                static_cast<unsigned long long>(tot[pi].fills), kPairs[pi].what);
+  std::printf("  problems: %zu\n", problems.size());
+  report_problems(problems);
+  std::fflush(stdout);
+  CHECK(problems.empty());
+  for (std::size_t pi = 0; pi < std::size(kPairs); ++pi) {
+    CAPTURE(kPairs[pi].what);
+    if (kPairs[pi].reached) CHECK(tot[pi].fired > 0);  // the workloads reach this rollback
+    CHECK(tot[pi].fills > 0);
+  }
+}
 
 int main(int argc, char** argv) {
   std::vector<char*> rest;

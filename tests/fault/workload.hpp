@@ -2,6 +2,7 @@
 // fresh allocator over a fault-injecting host backend, checking after every step.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <limits>
@@ -131,6 +132,15 @@ struct run_config {
   fault f = fault::out_of_memory;
   bool sticky = false;
   bool exceptions = false;  // allocate() + catch instead of try_allocate()
+  // A combined fault (fault_state::arm_then): when the k-th call of `which` fails, the next
+  // then_times calls of then_which fail with then_f, within the same API call (the runner disarms
+  // after each step): a refusal inside the rollback of the first failure.
+  bool then = false;
+  op then_which = op::unmap;
+  fault then_f = fault::not_permitted;
+  std::uint64_t then_times = 2;
+  // After a step with an injected fault: map every hole of the reservation (fill_reservation).
+  bool fill = false;
 };
 
 struct run_result {
@@ -140,6 +150,9 @@ struct run_result {
   int absorbed = 0;           // steps with an injection that still succeeded (fallback path)
   int late_reports = 0;       // trims reporting a release refused during an earlier call
   bool ctor_failed = false;
+  std::uint64_t injected_then = 0;   // failures of the second fault (arm_then)
+  std::size_t stray_bytes_seen = 0;  // most bytes parked as strays right after a step
+  int fills = 0;                     // fill_reservation probes run
   std::int64_t handles = 0, mappings = 0, reservations = 0;  // after destruction
   std::size_t bytes_verified = 0;
   std::vector<std::string> problems;
@@ -148,10 +161,17 @@ struct run_result {
 namespace detail {
 inline std::string describe(const run_config& c) {
   if (!c.armed) return "unarmed";
-  char b[160];
-  std::snprintf(b, sizeof b, "%s k=%llu %s%s%s", op_name(c.which),
-                static_cast<unsigned long long>(c.k), fault_name(c.f), c.sticky ? " sticky" : "",
-                c.exceptions ? " (exceptions)" : "");
+  char b[240];
+  int n = std::snprintf(b, sizeof b, "%s k=%llu %s%s%s", op_name(c.which),
+                        static_cast<unsigned long long>(c.k), fault_name(c.f), c.sticky ? " sticky" : "",
+                        c.exceptions ? " (exceptions)" : "");
+  if (c.then && n > 0 && static_cast<std::size_t>(n) < sizeof b) {
+    char t[16];
+    if (c.then_times == fault_state::then_sticky) std::snprintf(t, sizeof t, "sticky");
+    else std::snprintf(t, sizeof t, "x%llu", static_cast<unsigned long long>(c.then_times));
+    std::snprintf(b + n, sizeof b - static_cast<std::size_t>(n), " then %s %s %s", op_name(c.then_which),
+                  fault_name(c.then_f), t);
+  }
   return b;
 }
 inline bool same_status(const status& a, const status& b) {
@@ -160,6 +180,68 @@ inline bool same_status(const status& a, const status& b) {
 }
 }  // namespace detail
 
+// Maps every hole of the reservation through the allocator, then frees what it took: huge blocks
+// of halving sizes down to options.huge_threshold, then large blocks of one granularity each
+// (every hole is a multiple of it), each size until out of memory. A range the arena counts as a
+// hole while the driver still has it mapped (a stray put back among the holes, a mapping that
+// leaked) makes the host backend refuse the map there (EINVAL): that, any failure other than
+// out_of_memory, or a hole left at the end (mapped + stray mappings != reserved) is a problem. Each block gets a
+// mark at both ends, checked before its free: fill blocks must not overlap each other.
+// Cost: ~20-60 allocations of untouched memfd memory, a few ms.
+// stray_mapped: bytes a refused rollback left mapped that the caller keeps refusing to unmap
+// (0 when the driver is disarmed: the first mapping retries and unmaps them).
+template <class Problem>
+inline void fill_reservation(allocator& a, Problem&& problem, const std::string& where,
+                             std::size_t stray_mapped = 0) {
+  struct blk {
+    void* p;
+    std::size_t n;
+  };
+  std::vector<blk> got;
+  const std::size_t G = a.granularity(), reserved = a.stats().reserved;
+  auto mark = [](void* p, std::size_t n, std::uint64_t id, bool check) {
+    bool ok = true;
+    for (std::size_t off : {std::size_t{0}, n - 64}) {
+      auto* b = static_cast<std::uint64_t*>(static_cast<void*>(static_cast<unsigned char*>(p) + off));
+      for (std::size_t i = 0; i < 8; ++i) {
+        const std::uint64_t w = splitmix64(id * 131 + off + i);
+        if (check) ok = ok && b[i] == w;
+        else b[i] = w;
+      }
+    }
+    return ok;
+  };
+  auto take = [&](std::size_t n) {
+    for (;;) {
+      void* p = a.try_allocate(n);
+      if (!p) {
+        if (last_error().st.kind != errc::out_of_memory)
+          problem(where + ": filling the reservation: allocate(" + std::to_string(n) + ") failed with " +
+                  last_error().message + " (a hole still mapped?)");
+        return;
+      }
+      mark(p, n, got.size(), false);
+      got.push_back({p, n});
+    }
+  };
+  std::size_t n = G;
+  while (n * 2 <= reserved / 2) n *= 2;
+  for (; n >= a.opts().huge_threshold && n >= G; n /= 2) take(n);
+  take(G - 4096);  // the large path: one chunk of G per block once no span has room
+  // Strays: bytes parked by a refused rollback (still mapped, or a handle still to release).
+  // Stray mappings are not holes; with the driver refusing to undo them they stay in place.
+  const allocator_stats s = a.stats();
+  const std::size_t stray = s.physical - s.mapped - s.idle;
+  if (s.mapped + stray_mapped != s.reserved)
+    problem(where + ": after filling the reservation " + std::to_string((s.reserved - s.mapped) >> 20) +
+            " MiB are not mapped by chunks (strays " + std::to_string(stray >> 20) + " MiB, of which " +
+            std::to_string(stray_mapped >> 20) + " MiB expected still mapped)");
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (!mark(got[i].p, got[i].n, i, true)) problem(where + ": fill block " + std::to_string(i) + " overwritten");
+    if (status d = a.try_deallocate(got[i].p); !d.ok()) problem(where + ": freeing a fill block: " + d.message());
+  }
+}
+
 // Runs the script once on a fresh allocator. Every problem found is appended to result.problems.
 // end_empty: the script frees everything and ends with trim(0), so stats and mappings must be back
 // to zero before destruction; otherwise the allocator is destroyed with live blocks.
@@ -167,8 +249,12 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
                                const options& opts = sweep_options(), bool end_empty = true) {
   run_result res;
   auto st = std::make_shared<fault_state>();
+  // The host backend outlives the allocator: its own live counts are read after destruction.
+  std::unique_ptr<backend_iface> host = make_backend<host_backend>(sweep_host_options());
+  host_backend* hb = backend_cast<host_backend>(*host);
   auto problem = [&](const std::string& what) { res.problems.push_back(detail::describe(cfg) + ": " + what); };
-  if (cfg.armed) st->arm(cfg.which, cfg.k, cfg.f, cfg.sticky);
+  if (cfg.armed && cfg.then) st->arm_then(cfg.which, cfg.k, cfg.f, cfg.then_which, cfg.then_f, cfg.then_times);
+  else if (cfg.armed) st->arm(cfg.which, cfg.k, cfg.f, cfg.sticky);
 
   // ---- construction (granularity, reserve happen here) ----
   std::unique_ptr<allocator> a;
@@ -176,7 +262,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
     std::uint64_t before = st->injected();
     std::optional<status> got;
     try {
-      a = std::make_unique<allocator>(make_fault_host(st, sweep_host_options()), opts);
+      a = std::make_unique<allocator>(make_fault_over(*host, st), opts);
     } catch (const out_of_memory& e) {
       got = e.st();
     } catch (const error& e) {
@@ -189,12 +275,13 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
       problem("constructor failed without an injected fault: " + got->message());
       return res;
     }
-    if (!detail::same_status(*got, st->last_injected()))
+    if (!st->was_injected(*got))
       problem("constructor: reported " + got->message() + ", injected " + st->last_injected().message());
     if (got->kind == errc::out_of_memory) {
       // must have been thrown as out_of_memory (checked by the catch clause order above)
     }
-    if (!st->nothing_live()) problem("failed construction leaked backend objects");
+    if (!st->nothing_live() || hb->live_handles() || hb->live_mappings() || hb->live_reservations())
+      problem("failed construction leaked backend objects");
     st->disarm();
   }
   if (!a) {
@@ -202,11 +289,6 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
     return res;
   }
   res.after_open = st->all_calls();
-  host_backend* hb = st->host;
-  if (!hb) {
-    problem("no host backend inside the decorator");
-    return res;
-  }
 
   struct live_block {
     void* p;
@@ -301,7 +383,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
   // trim() (arena::take_parked_error): a trim may thus fail, with no fault injected during it, with
   // the status of a fault injected earlier in this run. That is a late report, not a spurious error.
   auto late_report = [&](const step& s, const status& r) {
-    return s.kind == step::trim && st->injected() > 0 && detail::same_status(r, st->last_injected());
+    return s.kind == step::trim && st->injected() > 0 && st->was_injected(r);
   };
   for (std::size_t i = 0; i < script.size(); ++i) {
     const step& s = script[i];
@@ -313,7 +395,9 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
     if (!r.ok()) {
       if (injected_now) {
         ++res.failed_steps;
-        if (!detail::same_status(r, st->last_injected()))
+        // With a combined fault the caller sees the first failure, or the second one when the
+        // first was absorbed (an out-of-memory reclaimed and retried) and the second was not.
+        if (!st->was_injected(r))
           problem(where + " reported " + r.message() + " but the driver said " + st->last_injected().message());
       } else if (late_report(s, r)) {
         ++res.late_reports;
@@ -326,6 +410,17 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
     if (std::string c = a->check(); !c.empty()) problem(where + ": check() failed: " + c);
     if (!counts_agree()) problem(where + ": decorator live counts disagree with the host backend");
     if (injected_now) verify_all("after an injected fault");
+    {
+      const allocator_stats x = a->stats();
+      res.stray_bytes_seen = std::max(res.stray_bytes_seen, x.physical - x.mapped - x.idle);
+    }
+    if (injected_now && cfg.fill) {
+      ++res.fills;
+      fill_reservation(*a, problem, where);
+      verify_all("after filling the reservation");
+      if (std::string c = a->check(); !c.empty()) problem(where + ": check() failed after the fill: " + c);
+      if (!counts_agree()) problem(where + ": decorator live counts disagree with the host backend after the fill");
+    }
     if (!r.ok()) {
       // The fault is spent: the same call must now succeed (a trim may first deliver one late
       // report of a release refused earlier).
@@ -357,6 +452,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
   res.injected_in_dtor = st->injected() - before;
   res.total = st->all_calls();
   res.injected = st->injected();
+  res.injected_then = st->injected_then();
   res.handles = st->live_handles();
   res.mappings = st->live_mappings();
   res.reservations = st->live_reservations();
@@ -386,6 +482,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
               std::to_string(res.mappings) + ", reservations " + std::to_string(res.reservations) + " for " +
               std::to_string(n) + " refused calls");
   }
+  if (!counts_agree()) problem("after destruction the decorator's live counts disagree with the host backend's");
   if (res.handles < 0 || res.mappings < 0 || res.reservations < 0)
     problem("negative live counts: an object was destroyed twice");
   return res;

@@ -8,6 +8,11 @@
 //    One-shot (only the k-th call fails) or sticky (the k-th and every later call of that kind
 //    fail until disarm()). An injected failure is NOT forwarded: like a driver that refused, the
 //    inner backend's state is untouched.
+//  * A combined fault (arm_then): when the first fault fires, a second one is armed at once on
+//    another operation kind, failing its next `times` calls: a failure inside the rollback of the
+//    first (a refused unmap or release while undoing a map). times 1 is absorbed by the rollback's
+//    one retry (vm::driver::twice); times 2 refuses both attempts, so the work is parked as a stray;
+//    then_sticky refuses every call until disarm().
 //  * Keeps its own live counts of handles (create/import minus release), mappings (map minus
 //    unmap) and reservations (reserve minus free_reservation), counting successful calls only.
 //    They live in a shared fault_state the test keeps, so they stay readable after the allocator
@@ -24,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "vmmalloc/backend.hpp"
 #include "vmmalloc/host_backend.hpp"
@@ -67,7 +73,7 @@ inline const char* driver_function(op o) {
   return n[static_cast<int>(o)];
 }
 
-// The three driver errors the issue asks for, with their real CUresult codes and names.
+// The three driver errors injected, with their real CUresult codes and names.
 enum class fault : int { out_of_memory, invalid_value, not_permitted };
 inline constexpr int fault_count = 3;
 
@@ -113,13 +119,42 @@ class fault_state {
     sticky_ = sticky;
     since_arm_ = 0;
   }
+  // Like arm(which, k, f) (one-shot), and when that fault fires, `then` fails its next `times`
+  // calls with `f2` (then_sticky: every later call until disarm()).
+  static constexpr std::uint64_t then_sticky = ~std::uint64_t{0};
+  void arm_then(op which, std::uint64_t k, fault f, op then, fault f2, std::uint64_t times = 2) {
+    std::lock_guard g(mu_);
+    armed_ = true;
+    which_ = which;
+    k_ = k;
+    fault_ = f;
+    sticky_ = false;
+    since_arm_ = 0;
+    has_then_ = true;
+    then_live_ = false;
+    then_which_ = then;
+    then_fault_ = f2;
+    then_times_ = times;
+  }
+  // Disarms both the fault and a pending second fault.
   void disarm() {
     std::lock_guard g(mu_);
     armed_ = false;
+    has_then_ = then_live_ = false;
   }
   bool armed() const {
     std::lock_guard g(mu_);
-    return armed_;
+    return armed_ || then_live_;
+  }
+  // Failures of the second fault of arm_then (0 when it never fired).
+  std::uint64_t injected_then() const { return injected_then_.load(); }
+  // Whether s is one of the failures injected since this state was made (what a caller may see).
+  bool was_injected(const status& s) const {
+    std::lock_guard g(mu_);
+    for (const auto& x : log_)
+      if (x.kind == s.kind && x.code == s.code && std::string(x.name) == s.name && std::string(x.op) == s.op)
+        return true;
+    return false;
   }
 
   std::uint64_t calls(op o) const { return calls_[static_cast<int>(o)].load(); }
@@ -145,14 +180,21 @@ class fault_state {
   bool on_call(op o, status& out) {
     calls_[static_cast<int>(o)].fetch_add(1);
     std::lock_guard g(mu_);
+    if (then_live_ && o == then_which_) {  // the second fault of arm_then
+      if (then_times_ != then_sticky && --then_times_ == 0) then_live_ = has_then_ = false;
+      out = driver_error(then_fault_, o);
+      note(out);
+      injected_then_.fetch_add(1);
+      return true;
+    }
     if (!armed_ || o != which_) return false;
     ++since_arm_;
     if (since_arm_ < k_) return false;
     if (since_arm_ > k_ && !sticky_) return false;
     if (!sticky_) armed_ = false;  // spent
     out = driver_error(fault_, o);
-    last_ = out;
-    injected_.fetch_add(1);
+    note(out);
+    if (has_then_ && then_times_) then_live_ = true;
     return true;
   }
   std::atomic<std::int64_t> handles_{0}, mappings_{0}, reservations_{0};
@@ -161,14 +203,27 @@ class fault_state {
   host_backend* host = nullptr;
 
  private:
+  void note(const status& s) {  // under mu_
+    last_ = s;
+    bool seen = false;
+    for (const auto& x : log_) seen = seen || (x.code == s.code && std::string(x.op) == s.op);
+    if (!seen) log_.push_back(s);
+    injected_.fetch_add(1);
+  }
+
   mutable std::mutex mu_;
   bool armed_ = false, sticky_ = false;
   op which_ = op::create;
   std::uint64_t k_ = 0, since_arm_ = 0;
   fault fault_ = fault::out_of_memory;
+  bool has_then_ = false, then_live_ = false;
+  op then_which_ = op::release;
+  fault then_fault_ = fault::out_of_memory;
+  std::uint64_t then_times_ = 0;
   status last_{};
+  std::vector<status> log_;  // distinct injected failures (statuses hold static strings)
   std::array<std::atomic<std::uint64_t>, op_count> calls_{};
-  std::atomic<std::uint64_t> injected_{0};
+  std::atomic<std::uint64_t> injected_{0}, injected_then_{0};
 };
 
 class fault_backend final : public forwarding_backend {
@@ -176,6 +231,13 @@ class fault_backend final : public forwarding_backend {
   fault_backend(std::unique_ptr<backend_iface> inner, std::shared_ptr<fault_state> st)
       : forwarding_backend(std::move(inner)), in_(&this->inner()), st_(std::move(st)) {
     st_->host = backend_cast<host_backend>(*in_);  // the newest decorator on this state
+  }
+
+  // Over a backend the test keeps (not owned: it must outlive this decorator), so that its live
+  // counts stay readable after the owner of the decorator is destroyed.
+  fault_backend(backend_iface& inner, std::shared_ptr<fault_state> st)
+      : forwarding_backend(inner), in_(&this->inner()), st_(std::move(st)) {
+    st_->host = backend_cast<host_backend>(*in_);
   }
 
   fault_state& state() { return *st_; }
@@ -276,6 +338,12 @@ class fault_backend final : public forwarding_backend {
 inline std::unique_ptr<backend_iface> make_fault_host(std::shared_ptr<fault_state> st,
                                                       const host_backend_options& h = {}) {
   return std::make_unique<fault_backend>(make_backend<host_backend>(h), std::move(st));
+}
+
+// A fault-injecting decorator over a host backend the test keeps (see fault_backend's second
+// constructor): `host` must outlive what the result is given to.
+inline std::unique_ptr<backend_iface> make_fault_over(backend_iface& host, std::shared_ptr<fault_state> st) {
+  return std::make_unique<fault_backend>(host, std::move(st));
 }
 
 // The decorator inside a growable_buffer's or kv_cache's backend() (null if it is something else).

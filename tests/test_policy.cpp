@@ -363,17 +363,23 @@ struct event {
   std::uintptr_t addr;
   std::size_t size;
   unsigned stream;
+  unsigned thread;
+  std::uint64_t time;
 };
+// A v2 trace as the library writes it: the header, then six fields a line.
 std::vector<event> read_trace(const std::string& path) {
   std::ifstream in(path);
   std::vector<event> v;
   std::string line;
+  REQUIRE(std::getline(in, line));
+  REQUIRE_MESSAGE(line.rfind("# vmmalloc-trace v2", 0) == 0, "first line: " << line);
   while (std::getline(in, line)) {
     std::istringstream ss(line);
     event e{};
-    std::string addr;
-    ss >> e.kind >> addr >> e.size >> e.stream;
+    std::string addr, rest;
+    ss >> e.kind >> addr >> e.size >> e.stream >> e.thread >> e.time;
     REQUIRE_MESSAGE(!ss.fail(), "bad trace line: " << line);
+    REQUIRE_MESSAGE(!(ss >> rest), "extra field in: " << line);
     e.addr = std::stoull(addr, nullptr, 16);
     v.push_back(e);
   }
@@ -381,7 +387,7 @@ std::vector<event> read_trace(const std::string& path) {
 }
 }  // namespace
 
-TEST_CASE("trace recording writes every allocation and free in the shared format, in order") {
+TEST_CASE("trace recording writes every allocation and free as trace v2, in order, time never decreasing") {
   char tmpl[] = "/tmp/vmm-trace-XXXXXX";
   int fd = mkstemp(tmpl);
   REQUIRE(fd >= 0);
@@ -398,7 +404,7 @@ TEST_CASE("trace recording writes every allocation and free in the shared format
     auto work = [&](unsigned seed) {
       try {
         std::vector<std::pair<void*, stream_t>> live;
-        for (unsigned i = 0; i < 50000; ++i) {  // ~2.5 MB of trace: crosses the 1 MiB buffer
+        for (unsigned i = 0; i < 50000; ++i) {  // ~3.5 MB of trace: crosses the 1 MiB buffer
           unsigned r = (seed * 2654435761u + i * 40503u) >> 7;
           stream_t s = (r & 4) ? static_cast<stream_t>(&stream_tag) : nullptr;
           if (live.size() < 50 && (r & 1)) {
@@ -416,9 +422,12 @@ TEST_CASE("trace recording writes every allocation and free in the shared format
         ++thread_errors;
       }
     };
+    // The main thread allocates first: it is thread 1, the workers 2 and 3.
+    void* first = a.allocate(64);
     std::thread t1(work, 1), t2(work, 2);
     t1.join();
     t2.join();
+    a.deallocate(first);
     REQUIRE(thread_errors == 0);
     auto s = a.stats();
     allocs = s.allocs;
@@ -429,11 +438,20 @@ TEST_CASE("trace recording writes every allocation and free in the shared format
   CHECK(ev.size() == allocs + frees);
   CHECK(traced == allocs + frees);
   CHECK(ev.size() > 80000);  // several buffer flushes happened
+  REQUIRE(ev.size() >= 2);
+  CHECK((ev.front().kind == 'a' && ev.front().size == 64 && ev.front().thread == 1));
+  CHECK((ev.back().kind == 'f' && ev.back().size == 64 && ev.back().thread == 1));
   std::map<std::uintptr_t, std::size_t> live;
-  std::set<unsigned> streams;
-  bool order_ok = true, size_ok = true;
+  std::set<unsigned> streams, threads;
+  std::map<unsigned, std::uint64_t> per_thread;
+  bool order_ok = true, size_ok = true, time_ok = true;
+  std::uint64_t prev_time = 0;
   for (auto& e : ev) {
     streams.insert(e.stream);
+    threads.insert(e.thread);
+    ++per_thread[e.thread];
+    time_ok &= e.time >= prev_time;  // line order is time order, across threads
+    prev_time = e.time;
     if (e.kind == 'a') {
       order_ok &= live.emplace(e.addr, e.size).second;  // never allocated twice while live
     } else {
@@ -444,8 +462,13 @@ TEST_CASE("trace recording writes every allocation and free in the shared format
   }
   CHECK(order_ok);
   CHECK(size_ok);
+  CHECK(time_ok);
+  CHECK(prev_time > 0);
   CHECK(live.empty());
   CHECK(streams == std::set<unsigned>{0, 1});
+  CHECK(threads == std::set<unsigned>{1, 2, 3});
+  CHECK(per_thread[1] == 2);
+  CHECK(per_thread[2] + per_thread[3] == ev.size() - 2);
   std::remove(path.c_str());
 }
 

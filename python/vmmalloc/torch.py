@@ -11,6 +11,8 @@ through, in order: its argument, $VMMALLOC_TORCH_LIB, the package's library fold
 $VMMALLOC_LIB_DIR, the repository's build folders (build*/src/integrations/). Options come from the
 environment (VMMALLOC_RESERVATION, VMMALLOC_RELEASE_THRESHOLD, VMMALLOC_MEMORY_LIMIT, VMMALLOC_PEERS,
 VMMALLOC_TRACE, ...: see src/integrations/vmmalloc_torch.h), read when a device's allocator is created.
+VMMALLOC_TRACE=run.trace records every allocation and free (trace format v2, docs/trace-format.md:
+stream, thread and time per event) for vmm-replay and vmm-plot; flush_trace() writes it mid-run.
 
 Only enable() needs torch; stats(), trim(), reset_peaks(), check() and the loader work without it
 (vmmalloc.cupy uses them). An allocation that fails raises RuntimeError in PyTorch (its pluggable

@@ -18,7 +18,10 @@
  *                               "none", or a comma list of device ordinals ("1,3")
  *   VMMALLOC_TRACE              one file per device: "%d" is replaced by the device ordinal, else
  *                               devices other than 0 append ".<device>". Written at exit and by
- *                               vmm_torch_flush_trace()
+ *                               vmm_torch_flush_trace(). Trace format v2 (docs/trace-format.md):
+ *                               every malloc/free with its stream, recording thread (1, 2, ... by
+ *                               first event) and time (ns since the allocator was created); replay
+ *                               it with vmm-replay (its threads and streams), plot it with vmm-plot
  * and one is not an option:
  *   VMMALLOC_TORCH_BACKEND      "cuda" (default) or "host": vmmalloc's host backend (host memory,
  *                               GPU rules, 8 simulated devices), for tests without a GPU

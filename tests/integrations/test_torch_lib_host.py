@@ -130,10 +130,14 @@ with tempfile.TemporaryDirectory() as d:
     vt.flush_trace()
     path = os.path.join(d, "trace-5.txt")
     text = open(path).read() if os.path.exists(path) else ""
+    expect(text.startswith("# vmmalloc-trace v2"), "trace-5.txt starts with the v2 header")
     lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
     kinds = [ln.split()[0] for ln in lines]
     expect(kinds.count("a") == 3 and kinds.count("f") == 3,
            "trace-5.txt holds 3 allocations and 3 frees (%d lines)" % len(lines))
+    expect(all(len(ln.split()) == 6 for ln in lines), "every line has OP ADDR SIZE STREAM THREAD TIME")
+    times = [int(ln.split()[5]) for ln in lines]
+    expect(times == sorted(times), "TIME never decreases")
     expect(vt.stats(5)["traced_events"] == 6, "traced_events == 6")
 
 expect(vt.check() == "", "check() over every device")

@@ -4,6 +4,10 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <latch>
 #include <map>
 #include <mutex>
 #include <random>
@@ -14,6 +18,7 @@
 #include "peers.hpp"
 #include "replay_pass.hpp"
 #include "trace.hpp"
+#include "vmmalloc/vmmalloc.hpp"
 
 using namespace vmm::replay;
 
@@ -232,4 +237,68 @@ TEST_CASE("host lag: held streams delay cross-stream reuse; the run completes an
   CHECK(r.exit_code == 0);
   CHECK(lag->actions == 15);
   CHECK(a->live_requested() == 0);
+}
+
+TEST_CASE("a trace the library records (v2) parses and replays on its recorded threads") {
+  char tmpl[] = "/tmp/vmm-recorded-XXXXXX";
+  int fd = mkstemp(tmpl);
+  REQUIRE(fd >= 0);
+  close(fd);
+  const std::string path = tmpl;
+  int tag = 0;
+  {
+    vmm::options o;
+    o.reservation_size = std::size_t{4} << 30;
+    o.trace_path = path;
+    auto a = vmm::allocator::host(o);
+    // Three threads hand blocks to each other through a shared list: many frees cross threads.
+    std::mutex mu;
+    std::vector<std::pair<void*, vmm::stream_t>> shared;
+    std::latch start(3);  // all three run at once, else one may finish before the next starts
+    auto work = [&](unsigned seed) {
+      std::mt19937 rng(seed);
+      start.arrive_and_wait();
+      for (int i = 0; i < 3000; ++i) {
+        if (i % 8 == 0) std::this_thread::yield();  // let the others take the list in between
+        vmm::stream_t s = rng() % 3 == 0 ? static_cast<vmm::stream_t>(&tag) : nullptr;
+        std::lock_guard g(mu);  // the list, not the allocator: it is thread-safe
+        if (shared.size() < 40 && rng() % 2) {
+          shared.emplace_back(a.allocate(std::size_t{1} << (rng() % 22), 0, s), s);
+        } else if (!shared.empty()) {
+          auto k = rng() % shared.size();
+          a.deallocate(shared[k].first, shared[k].second);
+          shared[k] = shared.back();
+          shared.pop_back();
+        }
+      }
+    };
+    std::thread t1(work, 1), t2(work, 2), t3(work, 3);
+    t1.join(), t2.join(), t3.join();
+    for (auto [p, s] : shared) a.deallocate(p, s);  // the main thread: a fourth recorded thread
+    REQUIRE(!shared.empty());
+  }
+  trace t = parse_file(path);
+  std::remove(path.c_str());
+  CHECK(t.version == 2);
+  CHECK(t.thread_ids.size() == 4);
+  CHECK(t.stream_ids.size() == 2);
+  CHECK(t.events.size() > 5000);
+  MESSAGE("recorded " << t.events.size() << " events, " << t.cross_thread_frees << " frees across threads");
+  CHECK(t.cross_thread_frees > 200);
+  CHECK(t.live_at_end.empty());
+  REQUIRE(t.time_ns.size() == t.events.size());
+  CHECK(t.time_ns.back() > t.time_ns.front());
+  schedule s = make_schedule(t, true);
+  REQUIRE(s.threads == 4);
+  auto b = make_vmmalloc_host(std::size_t{16} << 30);
+  auto streams = host_streams(t);
+  std::vector<void*> ptr(t.slots);
+  pass_opts po;
+  po.sched = &s;
+  po.check_every = 1000;
+  pass_result r = run_pass(*b, t, streams, ptr, po);
+  INFO(r.failure);
+  CHECK(r.exit_code == 0);
+  CHECK(b->live_requested() == 0);
+  CHECK(b->check() == "");
 }

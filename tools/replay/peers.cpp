@@ -213,8 +213,7 @@ class vmmalloc_peer final : public peer {
 };
 }  // namespace
 
-std::unique_ptr<peer> make_vmmalloc_host(std::size_t physical_limit) {
-  vmm::options o;
+std::unique_ptr<peer> make_vmmalloc_host(std::size_t physical_limit, const vmm::options& o) {
   vmm::host_backend_options h;
   h.granularity = std::size_t{2} << 20;
   h.physical_limit = physical_limit;
@@ -227,8 +226,7 @@ std::unique_ptr<peer> make_vmmalloc_host(std::size_t physical_limit) {
                                          hb);
 }
 
-std::unique_ptr<peer> make_vmmalloc_cuda(int device) {
-  vmm::options o;
+std::unique_ptr<peer> make_vmmalloc_cuda(int device, vmm::options o) {
   o.device = device;
   return std::make_unique<vmmalloc_peer>(vmm::allocator(o), true,
                                          "CUDA backend, device " + std::to_string(device));

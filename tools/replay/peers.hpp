@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "vmmalloc/options.hpp"
+
 namespace vmm {
 class host_backend;
 }
@@ -89,9 +91,11 @@ class peer {
 
 // vmmalloc over the host backend: 2 MiB granularity (mirrors the GPUs), simulated device memory of
 // `physical_limit` bytes (memfd pages are only real once touched, so a large limit is free).
-std::unique_ptr<peer> make_vmmalloc_host(std::size_t physical_limit = std::size_t{256} << 30);
+// `o`: the allocator's options (vmm-replay --option); its device is the backend's.
+std::unique_ptr<peer> make_vmmalloc_host(std::size_t physical_limit = std::size_t{256} << 30,
+                                         const vmm::options& o = {});
 // vmmalloc over the CUDA driver (loaded at run time). Throws vmm::error without a driver.
-std::unique_ptr<peer> make_vmmalloc_cuda(int device = 0);
+std::unique_ptr<peer> make_vmmalloc_cuda(int device = 0, vmm::options o = {});
 // Fake increasing addresses, nothing else: measures the harness. One call at a time (a threaded
 // replay's turns order the calls, so it measures the hand-offs too).
 std::unique_ptr<peer> make_null();

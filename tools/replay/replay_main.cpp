@@ -3,7 +3,7 @@
 //
 //   vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE] [--check-every N]
 //                    [--warm] [--device N] [--samples N] [--threads recorded|one] [--lag N]
-//                    (--help: every option)
+//                    [--option NAME=VALUE ...] (--help: every option)
 //
 // Method (same for every allocator):
 //  * The whole trace is parsed first (ADDR names -> dense slot ids), so the timed loop is vector
@@ -26,6 +26,8 @@
 //    cost: the null allocator pays them too, so "net of null" removes them.
 //  * --lag N: each stream's work stays N events behind the CPU (host backend: held fences; CUDA:
 //    gate kernels), for stream-ordered allocators; every pass (warm-up, timed, sampling) alike.
+//  * --option NAME=VALUE (repeatable): one of vmmalloc's options (README.md's table), parsed by
+//    vmm::set_option, for vmmalloc only; the table's detail and the JSON's "options" show them.
 //  * Progress: one overwritten line on stderr (percent, events/s, ETA), only when stderr is a tty.
 // Exit codes: 0 ok, 1 setup (no driver / device, bad option value), 2 bad usage or malformed
 // trace (with its line number), 3 an allocation or free failed, 4 check() or accounting failed.
@@ -67,6 +69,9 @@ struct cli {
   std::uint64_t samples = 0;  // 0: no timeline
   std::string threads = "recorded";  // recorded: one replay thread per recorded thread; one
   std::uint64_t lag = 0;             // events the streams run behind the CPU; 0: none
+  std::vector<std::string> option_texts;  // --option NAME=VALUE, as given
+  vmm::options vopts;                     // vmmalloc's options after them
+  std::vector<std::string> vopt_set;      // NAME=VALUE of each option set, as set_option read it
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -110,7 +115,25 @@ cli parse_cli(int argc, char** argv) {
                  "complete N events later (host backend: held streams; CUDA: gate kernels), for stream-ordered "
                  "allocators (vmmalloc, cudaMallocAsync)")
       ->type_name("N");
+  app.add_option("--option", c.option_texts,
+                 "one of vmmalloc's options (README.md's options table), e.g. release_threshold=0 or "
+                 "max_growth=32M; repeatable; vmmalloc only")
+      ->type_name("NAME=VALUE")
+      ->take_all()
+      ->allow_extra_args(false);
   vmm::tools::parse_or_exit(app, argc, argv);
+  for (const std::string& text : c.option_texts) {
+    const auto eq = text.find('=');
+    if (eq == std::string::npos || eq == 0)
+      vmm::tools::usage_error(app, "--option '" + text + "': expected NAME=VALUE, e.g. release_threshold=0");
+    const std::string name = text.substr(0, eq);
+    if (name == "device") vmm::tools::usage_error(app, "--option device: use --device N");
+    std::string why;
+    if (!vmm::set_option(c.vopts, name, text.substr(eq + 1), &why).ok())
+      vmm::tools::usage_error(app, "--option: " + why);
+    // Read back as the table writes it: "512M" stays "512M", "max" names the maximum.
+    c.vopt_set.push_back(name + "=" + vmm::option_value(c.vopts, *vmm::find_option(name)));
+  }
   if (c.trace_path.empty()) vmm::tools::usage_error(app, "no trace given");
   if (app.count("--samples") && c.samples == 0) vmm::tools::usage_error(app, "--samples needs N >= 1");
   if (c.samples && c.json.empty()) vmm::tools::usage_error(app, "--samples writes into the JSON: give --json FILE too");
@@ -192,6 +215,7 @@ struct row {
   std::uint64_t handoffs = 0;
   std::uint64_t lag = 0, lag_actions = 0, lag_timeouts = 0;  // lag = 0: none applied
   std::string lag_how;                                       // what the lag did, or why there was none
+  std::vector<std::string> options;                          // vmmalloc: --option NAME=VALUE in effect
 };
 
 // JSON through nlohmann: ordered_json keeps the keys in the order documented in README.md.
@@ -262,6 +286,7 @@ bool write_json(const std::string& path, const std::vector<row>& rows, const tra
     o["lag"] = r.lag_how.empty() ? ojson(nullptr) : ojson(r.lag_how);
     o["lag_actions"] = r.lag_actions;
     o["lag_timeouts"] = r.lag_timeouts;
+    o["options"] = r.options;
     for (auto& [key, v] : r.mem.extra) o[key] = json_num(v);
     if (r.tl) o["timeline"] = timeline_json(*r.tl, r, c);
     // Paths and driver messages are not guaranteed UTF-8: replace invalid bytes rather than throw.
@@ -301,7 +326,9 @@ void print_table(const std::vector<row>& rows, const trace& t) {
 // ---- factories by name ------------------------------------------------------------------------
 
 std::unique_ptr<peer> make_by_name(const std::string& name, const cli& c) {
-  if (name == "vmmalloc") return c.backend == "cuda" ? make_vmmalloc_cuda(c.device) : make_vmmalloc_host();
+  if (name == "vmmalloc")
+    return c.backend == "cuda" ? make_vmmalloc_cuda(c.device, c.vopts)
+                               : make_vmmalloc_host(std::size_t{256} << 30, c.vopts);
   if (name == "null") return make_null();
   if (name == "malloc") return make_malloc();
   if (name == "cudaMalloc" || name == "cudaMallocAsync" || name == "torch") {
@@ -385,6 +412,11 @@ int main(int argc, char** argv) {
     std::printf("  replay: one thread%s\n",
                 t.thread_ids.size() > 1 ? " (--threads one: the recorded threads' events in their order)" : "");
   if (c.lag) std::printf("  lag: streams run %" PRIu64 " events behind the CPU (stream-ordered allocators)\n", c.lag);
+  if (!c.vopt_set.empty()) {
+    std::string all;
+    for (const auto& o : c.vopt_set) all += " " + o;
+    std::printf("  vmmalloc options:%s\n", all.c_str());
+  }
   if (c.samples)
     std::printf("  timeline: at most %" PRIu64 " samples + peaks per allocator, from a separate untimed pass\n",
                 c.samples);
@@ -469,6 +501,10 @@ int main(int argc, char** argv) {
     row w;
     w.name = name;
     w.detail = a->detail();
+    if (name == "vmmalloc") {
+      w.options = c.vopt_set;
+      for (const auto& o : c.vopt_set) w.detail += (&o == &c.vopt_set.front() ? "; " : " ") + o;
+    }
     w.backend = name == "vmmalloc" ? c.backend : (a->is_device() ? "cuda" : "host");
     w.events = t.events.size();
     w.seconds = r.seconds;

@@ -1,0 +1,1129 @@
+#!/usr/bin/env python3
+"""Real PyTorch processes under four CUDA allocators: peak memory, speed, and identical outputs.
+
+Every (model, allocator) pair runs in a process of its own (an allocator is chosen before the
+first CUDA allocation and cannot change after), one after the other, on GPU 0:
+
+  caching      PyTorch's caching allocator, default settings
+  expandable   the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  async        PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
+  vmmalloc     vmmalloc.torch.enable() before the first CUDA allocation (libvmmalloc_torch.so);
+               --env KEY=VAL (repeatable) is passed to these runs only, e.g.
+               --env VMMALLOC_RELEASE_THRESHOLD=0, to compare variants
+
+Models, built from transformers configs with random weights (fixed seeds, nothing downloaded),
+AdamW in bf16 autocast with fp32 master weights, eager attention (deterministic: see below):
+
+  llama   a Llama-style decoder (357 M parameters in --full: weights, gradients and AdamW state
+          alone are 5.3 GiB) trained on batches of varying batch x sequence length (up to 12 K
+          tokens, sequences up to 2048), then greedy generate() calls of varying batch, prompt and
+          output length
+  bert    a BERT-base encoder, masked-LM training with varying batch sizes
+  moe     a Mixtral-style mixture of experts (8 experts, top 2; data-dependent expert batches),
+          training of varying shapes, then short generate() calls
+  resnet  (not in the default set) a ResNet-50 from transformers' ResNetConfig, image
+          classification training with varying batch sizes: a conv net
+
+Per run: peak held (caching, expandable: torch.cuda.max_memory_reserved; cudaMallocAsync: the
+pool's reserved high water from torch.cuda.memory_stats, else cuMemPoolGetAttribute(
+RESERVED_MEM_HIGH) on the default pool; vmmalloc: stats peak_physical), peak allocated
+(torch.cuda.max_memory_allocated, which counts PyTorch's rounded block sizes; cudaMallocAsync: the
+pool's used high water; vmmalloc: peak_requested, the bytes asked for), their ratio, the step in
+which the held peak was reached, peaks per phase (init, train, generate), median training step
+time, generate time, process wall time, and the device memory in use (cudaMemGetInfo, sampled
+after every step: an allocator-independent cross-check). For vmmalloc also where its memory sat:
+stats(0) is read after every step and generate call, and the snapshot taken when peak_physical
+rose is kept (requested, allocated, mapped, idle, free_chunk_bytes, slab_bytes, deferred; values
+after the call in which the peak rose, the peak itself was inside it).
+
+Outputs compared across allocators, against the first allocator run (caching, by default):
+training losses within --loss-rtol, generated token ids identical. The runs are deterministic
+(torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, no TF32, eager attention): an
+allocator cannot change a number, so losses are normally bit for bit equal; the tolerance covers
+kernels that stay nondeterministic (--nondeterministic turns the settings off, --attn sdpa uses
+PyTorch's fused attention).
+
+Output: a markdown table on stdout, and real_models.md + real_models.json in --out (default
+$VMM_OUT when set, else ./real-models-out). --trace DIR: the llama run under vmmalloc records its
+allocation trace (VMMALLOC_TRACE, trace format v2) into DIR/llama-vmmalloc.trace.gz, and when
+vmm-replay is found (--replay-bin, else build*/tools/replay/) the trace is replayed on the GPU
+through vmmalloc and cudaMallocAsync so the replay's peaks can be set beside the real process's.
+
+Time: a process start with torch and transformers imports costs ~5-10 s. --quick (tiny shapes)
+takes ~10 s a run, ~2 minutes for the 12 runs. --full is sized for one H100: ~20-40 s a run,
+~4-5 minutes for the 12 runs by estimate, under 7 with the default --budget of 420 s: a run whose
+estimated time does not fit what is left is skipped and reported; every run prints its time.
+
+Exit 0: every run passed and every output matched. 1: a run failed or timed out, an output
+differs, or vmmalloc's check() or a failed allocation was reported. 2: usage. 77: no torch,
+transformers or CUDA device.
+
+    cmake --build build --target vmmalloc_torch          # libvmmalloc_torch.so
+    python3 bench/real_models.py --quick
+    python3 bench/real_models.py --full --out "$OUT"
+    python3 bench/real_models.py --full --models llama --allocators caching,vmmalloc \\
+        --env VMMALLOC_RELEASE_THRESHOLD=0
+    python3 bench/real_models.py --full --models llama --trace "$OUT"
+"""
+
+import argparse
+import glob
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.normpath(os.path.join(HERE, ".."))
+T_START = time.perf_counter()
+GiB = float(1 << 30)
+MiB = float(1 << 20)
+
+ALLOCATORS = ("caching", "expandable", "async", "vmmalloc")
+LABEL = {"caching": "PyTorch caching", "expandable": "expandable segments", "async": "cudaMallocAsync",
+         "vmmalloc": "vmmalloc"}
+ALLOC_CONF = {"caching": None, "expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync",
+              "vmmalloc": None}
+HELD_SOURCE = {"caching": "torch.cuda.max_memory_reserved", "expandable": "torch.cuda.max_memory_reserved",
+               "async": "pool ReservedMemHigh", "vmmalloc": "stats peak_physical"}
+ALLOC_SOURCE = {"caching": "torch.cuda.max_memory_allocated", "expandable": "torch.cuda.max_memory_allocated",
+                "async": "pool UsedMemHigh", "vmmalloc": "stats peak_requested"}
+VMM_AT_PEAK = ("peak_physical", "physical", "requested", "allocated", "mapped", "idle", "free_chunk_bytes",
+               "slab_bytes", "deferred", "live")
+
+# ---- the workloads ------------------------------------------------------------------------------
+# train: (batch, sequence) per step (resnet: (batch, image side)); generate: (batch, prompt, new).
+# Shapes vary step to step so the allocators see mixed sizes, as in a real job. estimate_s: the
+# first run's time budget guess (later runs of a model use the slowest run so far).
+MODELS = {
+    "llama": {
+        "family": "llama",
+        "what": "Llama-style decoder, AdamW (bf16 autocast) on varying batch x sequence, then greedy generate()",
+        "full": {
+            "config": dict(vocab_size=32000, hidden_size=1280, intermediate_size=3456, num_hidden_layers=16,
+                           num_attention_heads=20, num_key_value_heads=4, max_position_embeddings=4096),
+            # At most 12 K tokens a step and batch 4 at 2048: eager attention keeps a batch x 20 heads
+            # x seq^2 bf16 tensor a layer for backward (10.7 GB over 16 layers at 4 x 2048); the
+            # largest steps peak near 30 GB allocated, so every allocator fits an 80 GB card.
+            "train": [(8, 1024), (4, 2048), (16, 512), (2, 1536), (12, 1024), (32, 256), (4, 768), (1, 2048),
+                      (6, 1280), (24, 384), (8, 1536), (3, 2048), (2, 512), (10, 896), (4, 1024), (18, 640),
+                      (4, 1792), (16, 768), (48, 128), (8, 1280)],
+            "generate": [(1, 128, 64), (8, 512, 96), (16, 256, 64), (4, 1024, 96), (32, 64, 48), (2, 1536, 48)],
+            "estimate_s": 50,
+        },
+        "quick": {
+            "config": dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+            "train": [(2, 32), (4, 16), (1, 64)],
+            "generate": [(2, 8, 8), (3, 4, 6)],
+            "estimate_s": 25,
+        },
+    },
+    "bert": {
+        "family": "bert",
+        "what": "BERT-base encoder, masked-LM training (bf16 autocast) with varying batch sizes, sequence 256",
+        "full": {
+            "config": dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                           intermediate_size=3072, max_position_embeddings=512),
+            "train": [(32, 256), (8, 256), (64, 256), (16, 256), (128, 256), (48, 256), (24, 256), (96, 256),
+                      (4, 256), (80, 256), (40, 256), (112, 256), (56, 256), (12, 256), (72, 256), (64, 256)],
+            "generate": [],
+            "estimate_s": 30,
+        },
+        "quick": {
+            "config": dict(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=256, max_position_embeddings=128),
+            "train": [(4, 32), (2, 32), (8, 32)],
+            "generate": [],
+            "estimate_s": 25,
+        },
+    },
+    "moe": {
+        "family": "mixtral",
+        "what": "Mixtral-style mixture of experts (8 experts, top 2), training of varying shapes, then generate()",
+        "full": {
+            "config": dict(vocab_size=32000, hidden_size=768, intermediate_size=1536, num_hidden_layers=8,
+                           num_attention_heads=12, num_key_value_heads=4, num_local_experts=8,
+                           num_experts_per_tok=2, max_position_embeddings=4096, output_router_logits=True),
+            "train": [(8, 512), (4, 1024), (16, 256), (2, 2048), (8, 1024), (32, 128), (4, 768), (12, 512),
+                      (1, 1024), (6, 640), (16, 512), (3, 1536)],
+            "generate": [(4, 128, 32), (16, 64, 24)],
+            "estimate_s": 40,
+        },
+        "quick": {
+            "config": dict(vocab_size=1000, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=256, output_router_logits=True),
+            "train": [(2, 32), (4, 16)],
+            "generate": [(2, 8, 6)],
+            "estimate_s": 25,
+        },
+    },
+    "resnet": {
+        "family": "resnet",
+        "what": "ResNet-50 (transformers ResNetConfig), image classification training with varying batch sizes",
+        "full": {
+            "config": dict(num_channels=3, embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],
+                           depths=[3, 4, 6, 3], layer_type="bottleneck", hidden_act="relu", num_labels=1000),
+            "train": [(64, 224), (16, 224), (128, 224), (32, 224), (96, 224), (8, 224), (48, 224), (112, 224),
+                      (24, 224), (80, 224)],
+            "generate": [],
+            "estimate_s": 40,
+        },
+        "quick": {
+            "config": dict(num_channels=3, embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1],
+                           layer_type="bottleneck", hidden_act="relu", num_labels=10),
+            "train": [(4, 32), (2, 32), (8, 32)],
+            "generate": [],
+            "estimate_s": 25,
+        },
+    },
+}
+DEFAULT_MODELS = ("llama", "bert", "moe")
+SEED = 1234
+
+
+# ---- pure helpers (tests/python/test_real_models.py runs them without torch) --------------------
+
+def parse_env(items):
+    """--env KEY=VAL ... -> dict; ValueError naming the bad item."""
+    out = {}
+    for it in items or []:
+        key, eq, val = it.partition("=")
+        if not eq or not key or not key.replace("_", "").isalnum():
+            raise ValueError("--env %r: expected KEY=VALUE, e.g. VMMALLOC_RELEASE_THRESHOLD=0" % it)
+        out[key] = val
+    return out
+
+
+def pick(names, known, what):
+    """A comma list checked against `known`, in the order given; ValueError on an unknown name."""
+    got = [n.strip() for n in str(names).split(",") if n.strip()]
+    bad = [n for n in got if n not in known]
+    if bad or not got:
+        raise ValueError("--%s: unknown %s (choose from %s)" % (what, ",".join(bad) or "(none)", ",".join(known)))
+    return list(dict.fromkeys(got))
+
+
+def gib(n):
+    return "-" if n is None else "%.2f" % (n / GiB)
+
+
+def ratio(a, b):
+    return None if not a or not b else float(a) / float(b)
+
+
+def step_label(phase, index, shape):
+    return "%s %d (%s)" % (phase, index, "x".join(str(x) for x in shape))
+
+
+def tokens_digest(tokens):
+    return hashlib.sha256(json.dumps(tokens, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def first_token_difference(a, b):
+    """(row, position, differing, total) of two token lists of lists, or None when equal."""
+    if a == b:
+        return None
+    rows = max(len(a), len(b))
+    first, differing, total = None, 0, 0
+    for r in range(rows):
+        ra = a[r] if r < len(a) else []
+        rb = b[r] if r < len(b) else []
+        for p in range(max(len(ra), len(rb))):
+            total += 1
+            x = ra[p] if p < len(ra) else None
+            y = rb[p] if p < len(rb) else None
+            if x != y:
+                differing += 1
+                if first is None:
+                    first = (r, p)
+    return {"row": first[0], "position": first[1], "differing": differing, "total": total}
+
+
+def compare_runs(runs, rtol):
+    """Outputs of every passed run against the model's reference run (the first passed one in
+    allocator order). Returns a list of comparison dicts; `mismatches` lists what differs."""
+    out = []
+    by_model = {}
+    for r in runs:
+        by_model.setdefault(r["model"], []).append(r)
+    for model, rs in by_model.items():
+        ok = [r for r in rs if r.get("status") == "ok"]
+        if not ok:
+            continue
+        ref = ok[0]
+        for r in ok[1:]:
+            c = {"model": model, "allocator": r["allocator"], "reference": ref["allocator"], "mismatches": []}
+            la, lb = ref.get("losses", []), r.get("losses", [])
+            c["losses_exact"] = la == lb
+            worst = 0.0
+            if len(la) != len(lb):
+                c["mismatches"].append("%d losses, the reference has %d" % (len(lb), len(la)))
+            for i, (x, y) in enumerate(zip(la, lb)):
+                if x != x or y != y:  # NaN
+                    c["mismatches"].append("loss of step %d is NaN (%r vs %r)" % (i, y, x))
+                    continue
+                rel = abs(x - y) / max(abs(x), 1e-30)
+                worst = max(worst, rel)
+                if abs(x - y) > rtol * abs(x) + 1e-12:
+                    c["mismatches"].append("loss of step %d: %.7g vs %.7g (relative %.2e > %.1e)" % (i, y, x, rel, rtol))
+            c["losses_max_rel"] = worst
+            ga, gb = ref.get("generate", []), r.get("generate", [])
+            if not ga and not gb:
+                c["tokens_equal"] = None
+            else:
+                c["tokens_equal"] = True
+                if len(ga) != len(gb):
+                    c["tokens_equal"] = False
+                    c["mismatches"].append("%d generate calls, the reference has %d" % (len(gb), len(ga)))
+                for i, (x, y) in enumerate(zip(ga, gb)):
+                    d = first_token_difference(x.get("tokens", []), y.get("tokens", []))
+                    if d:
+                        c["tokens_equal"] = False
+                        c.setdefault("first_token_difference", dict(d, call=i))
+                        c["mismatches"].append(
+                            "generate call %d (%s): tokens differ, first at row %d position %d (%d of %d differ)"
+                            % (i, "x".join(str(v) for v in x.get("shape", [])), d["row"], d["position"],
+                               d["differing"], d["total"]))
+            out.append(c)
+    return out
+
+
+def outputs_cell(run, comparisons):
+    if run.get("status") != "ok":
+        return ""
+    for c in comparisons:
+        if c["model"] == run["model"] and c["allocator"] == run["allocator"]:
+            if c["mismatches"]:
+                return "**MISMATCH** (%d)" % len(c["mismatches"])
+            losses = "losses exact" if c["losses_exact"] else "losses within rtol (max %.1e)" % c["losses_max_rel"]
+            toks = {True: ", tokens equal", False: ", tokens DIFFER", None: ""}[c["tokens_equal"]]
+            return losses + toks
+    return "reference"
+
+
+def status_cell(run):
+    s = run.get("status")
+    if s == "ok":
+        return None
+    if s == "skipped":
+        return "skipped: %s" % run.get("reason", "")
+    return "%s: %s" % (s, str(run.get("error", "")).replace("|", "/").replace("\n", " ")[:140])
+
+
+def markdown(result):
+    """The report: what ran, the main table, peaks by phase, where vmmalloc's memory sat, notes."""
+    meta, runs, comps = result["meta"], result["runs"], result["comparisons"]
+    lines = ["### Real PyTorch processes: peak memory and speed by allocator (bench/real_models.py)", ""]
+    lines.append("%s; torch %s, transformers %s; mode %s; %s; commit %s." % (
+        meta.get("device", "?"), meta.get("torch", "?"), meta.get("transformers", "?"), meta.get("mode", "?"),
+        meta.get("settings", ""), meta.get("commit", "?")))
+    if meta.get("vmm_env"):
+        lines.append("vmmalloc runs with: %s." % " ".join("%s=%s" % kv for kv in sorted(meta["vmm_env"].items())))
+    lines.append("")
+    for m in meta.get("models", []):
+        spec = MODELS[m]
+        params = next((r.get("parameters") for r in runs if r["model"] == m and r.get("parameters")), None)
+        lines.append("- **%s**: %s%s." % (m, spec["what"], "; %.1f M parameters" % (params / 1e6) if params else ""))
+    lines += ["", "| model | allocator | peak held GiB | peak allocated GiB | held / allocated | held vs caching "
+                  "| held peak reached in | step median ms | train s | generate s | run s | outputs |",
+              "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    caching_held = {r["model"]: r.get("held_peak") for r in runs if r["allocator"] == "caching" and r.get("status") == "ok"}
+    for r in runs:
+        head = "| %s | %s " % (r["model"], LABEL.get(r["allocator"], r["allocator"]))
+        bad = status_cell(r)
+        if bad:
+            lines.append(head + "| %s | | | | | | | | %s | |" % (bad, "%.0f" % r["wall_s"] if r.get("wall_s") else ""))
+            continue
+        vs = ratio(r.get("held_peak"), caching_held.get(r["model"]))
+        lines.append(head + "| %s | %s | %s | %s | %s | %s | %s | %s | %.0f | %s |" % (
+            gib(r.get("held_peak")), gib(r.get("alloc_peak")),
+            "%.3f" % ratio(r.get("held_peak"), r.get("alloc_peak")) if ratio(r.get("held_peak"), r.get("alloc_peak")) else "-",
+            "%.3f" % vs if vs else "-", r.get("peak_at", "-"),
+            "%.1f" % (r["median_step_s"] * 1e3) if r.get("median_step_s") is not None else "-",
+            "%.2f" % r["train_s"] if r.get("train_s") is not None else "-",
+            "%.2f" % r["generate_s"] if r.get("generate") else "-",
+            r.get("wall_s", 0.0), outputs_cell(r, comps)))
+    lines += ["", "Held: %s. Allocated: %s (PyTorch counts its rounded block sizes, vmmalloc the bytes asked "
+                  "for, sampled on its slow path: it can miss what its thread caches hold). Held vs caching: peak held / the caching allocator's for the same model. Run s: the "
+                  "process, imports included." % (
+                      "; ".join("%s %s" % (LABEL[a], HELD_SOURCE[a]) for a in ALLOCATORS),
+                      "; ".join("%s %s" % (LABEL[a], ALLOC_SOURCE[a]) for a in ALLOCATORS))]
+    ok = [r for r in runs if r.get("status") == "ok"]
+    if ok:
+        lines += ["", "Peak held by phase (GiB; peaks reset at each phase's start) and device memory in use "
+                      "(cudaMemGetInfo above the process's start, the most seen after any step):", "",
+                  "| model | allocator | init | train | generate | device in use, max sampled |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r in ok:
+            ph = r.get("phase_peaks", {})
+            dev = r.get("device_used", {})
+            lines.append("| %s | %s | %s | %s | %s | %s |" % (
+                r["model"], LABEL[r["allocator"]], gib(ph.get("init", {}).get("held")),
+                gib(ph.get("train", {}).get("held")), gib(ph.get("generate", {}).get("held")),
+                gib(dev.get("max_above_start"))))
+    vm = [r for r in ok if r["allocator"] == "vmmalloc" and r.get("vmm_at_peak")]
+    if vm:
+        lines += ["", "Where vmmalloc's memory sat when peak_physical last rose (GiB; stats(0) after the step or "
+                      "generate call in which it rose):", "",
+                  "| model | rose in | peak_physical | requested | allocated | mapped | idle | free chunks | "
+                  "slabs | deferred | live blocks |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in vm:
+            s = r["vmm_at_peak"]
+            lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+                r["model"], s.get("at", "-"), gib(s.get("peak_physical")), gib(s.get("requested")),
+                gib(s.get("allocated")), gib(s.get("mapped")), gib(s.get("idle")), gib(s.get("free_chunk_bytes")),
+                gib(s.get("slab_bytes")), s.get("deferred", "-"), s.get("live", "-")))
+    tr = result.get("trace")
+    if tr:
+        lines += ["", "Trace of the llama run under vmmalloc: %s (%s)." % (tr.get("path", "-"), tr.get("status", ""))]
+        for row in tr.get("rows", []):
+            lines.append("- %s" % row)
+    lines += ["", "Whole run: %.0f s. %s" % (result.get("seconds", 0), "PASSED" if result.get("passed") else "FAILED")]
+    for f in result.get("failures", []):
+        lines.append("- FAIL: " + f)
+    for n in result.get("notes", []):
+        lines.append("- note: " + n)
+    return "\n".join(lines)
+
+
+def judge(runs, comparisons):
+    """(failures, notes) for the whole suite."""
+    failures, notes = [], []
+    for r in runs:
+        name = "%s / %s" % (r["model"], r["allocator"])
+        st = r.get("status")
+        if st == "skipped":
+            notes.append("%s skipped: %s" % (name, r.get("reason", "")))
+        elif st != "ok":
+            err = str(r.get("error", "")).strip().splitlines()
+            failures.append("%s %s: %s" % (name, st, err[-1] if err else "no error text"))
+        else:
+            if r.get("vmm_check"):
+                failures.append("%s: vmmalloc check(): %s" % (name, r["vmm_check"]))
+            for k in ("malloc_failures", "free_failures"):
+                if r.get("vmm_stats_end", {}).get(k):
+                    failures.append("%s: vmmalloc %s = %d" % (name, k, r["vmm_stats_end"][k]))
+            if r.get("held_peak") is None:
+                failures.append("%s: no peak held reading (%s)" % (name, r.get("held_error", "?")))
+            for n in r.get("notes", []):
+                notes.append("%s: %s" % (name, n))
+    for c in comparisons:
+        ms = c["mismatches"]
+        for m in ms[:3]:  # the first few: the JSON has every one
+            failures.append("%s / %s vs %s: %s" % (c["model"], c["allocator"], c["reference"], m))
+        if len(ms) > 3:
+            failures.append("%s / %s vs %s: ... and %d more differences (real_models.json)" % (
+                c["model"], c["allocator"], c["reference"], len(ms) - 3))
+    if runs and not any(r.get("status") == "ok" for r in runs):
+        failures.append("no run completed")
+    return failures, notes
+
+
+# ---- the worker: one (model, allocator) in this process ----------------------------------------
+
+class Probe:
+    """The allocator's own peak counters: reset at a phase's start, read after every step."""
+
+    def __init__(self, torch, allocator, dev, vt):
+        self.torch, self.allocator, self.dev, self.vt = torch, allocator, dev, vt
+        self.pool = None  # cudaMallocAsync: the driver's default pool of the device
+        self.pool_error = None
+        if allocator == "async":
+            self.pool, self.pool_error = _default_pool(dev.index or 0)
+
+    def reset(self):
+        if self.allocator == "vmmalloc":
+            self.vt.reset_peaks(self.dev.index or 0)
+            return
+        try:
+            self.torch.cuda.reset_peak_memory_stats(self.dev)
+        except Exception:
+            if self.allocator != "async":
+                raise
+        if self.allocator == "async" and self.pool is not None:
+            _pool_reset(self.pool)
+
+    def read(self):
+        """{held, allocated, held_now, allocated_now} in bytes (None where unknown)."""
+        t = self.torch
+        if self.allocator == "vmmalloc":
+            s = self.vt.stats(self.dev.index or 0) or {}
+            return {"held": s.get("peak_physical"), "allocated": s.get("peak_requested"),
+                    "held_now": s.get("physical"), "allocated_now": s.get("requested"), "vmm": s}
+        if self.allocator == "async":
+            held = alloc = held_now = alloc_now = None
+            try:
+                s = t.cuda.memory_stats(self.dev)
+                held, alloc = s.get("reserved_bytes.all.peak"), s.get("allocated_bytes.all.peak")
+                held_now, alloc_now = s.get("reserved_bytes.all.current"), s.get("allocated_bytes.all.current")
+            except Exception:
+                pass
+            pool = _pool_attrs(self.pool) if self.pool is not None else None
+            if pool:
+                held = held or pool["reserved_high"]
+                alloc = alloc or pool["used_high"]
+                held_now = held_now if held_now is not None else pool["reserved_current"]
+                alloc_now = alloc_now if alloc_now is not None else pool["used_current"]
+            return {"held": held, "allocated": alloc, "held_now": held_now, "allocated_now": alloc_now, "pool": pool}
+        return {"held": t.cuda.max_memory_reserved(self.dev), "allocated": t.cuda.max_memory_allocated(self.dev),
+                "held_now": t.cuda.memory_reserved(self.dev), "allocated_now": t.cuda.memory_allocated(self.dev)}
+
+
+def _driver():
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    for name, args in (("cuDeviceGet", [ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+                       ("cuDeviceGetDefaultMemPool", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]),
+                       ("cuMemPoolGetAttribute", [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]),
+                       ("cuMemPoolSetAttribute", [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p])):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, ctypes.c_int
+    return lib
+
+
+# CUmemPool_attribute (cuda.h): 5 reserved current, 6 reserved high, 7 used current, 8 used high.
+_POOL_ATTRS = {"reserved_current": 5, "reserved_high": 6, "used_current": 7, "used_high": 8}
+
+
+def _default_pool(ordinal):
+    """The default memory pool of a device through the driver (the pool PyTorch's cudaMallocAsync
+    backend allocates from), or (None, why)."""
+    try:
+        import ctypes
+
+        lib = _driver()
+        dev = ctypes.c_int()
+        pool = ctypes.c_void_p()
+        rc = lib.cuDeviceGet(ctypes.byref(dev), ordinal)
+        if rc == 0:
+            rc = lib.cuDeviceGetDefaultMemPool(ctypes.byref(pool), dev.value)
+        if rc != 0:
+            return None, "CUDA driver error %d" % rc
+        return (lib, pool), None
+    except Exception as e:
+        return None, "%s: %s" % (type(e).__name__, e)
+
+
+def _pool_attrs(pool):
+    import ctypes
+
+    lib, p = pool
+    out = {}
+    for k, attr in _POOL_ATTRS.items():
+        v = ctypes.c_uint64()
+        if lib.cuMemPoolGetAttribute(p, attr, ctypes.byref(v)) != 0:
+            return None
+        out[k] = int(v.value)
+    return out
+
+
+def _pool_reset(pool):
+    """High-water marks back to the current values (setting them to 0 does that)."""
+    import ctypes
+
+    lib, p = pool
+    for attr in (_POOL_ATTRS["reserved_high"], _POOL_ATTRS["used_high"]):
+        zero = ctypes.c_uint64(0)
+        lib.cuMemPoolSetAttribute(p, attr, ctypes.byref(zero))
+
+
+def build_model(transformers, family, cfg_kwargs, attn):
+    """The model for `family` from its config, with random weights drawn on the CPU from the
+    current seed (the same numbers in every process). Returns (model, config, vocab)."""
+    if family == "resnet":
+        cfg = transformers.ResNetConfig(**cfg_kwargs)
+        return transformers.ResNetForImageClassification(cfg), cfg, None
+    common = dict(attn_implementation=attn)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**cfg_kwargs, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0,
+                                       bos_token_id=1, eos_token_id=2, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(**cfg_kwargs, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0,
+                                         bos_token_id=1, eos_token_id=2, **common)
+        model = transformers.MixtralForCausalLM(cfg)
+    elif family == "bert":
+        cfg = transformers.BertConfig(**cfg_kwargs, pad_token_id=0, **common)
+        model = transformers.BertForMaskedLM(cfg)
+    else:
+        raise ValueError("unknown family " + family)
+    return model, cfg, cfg.vocab_size
+
+
+def make_batch(torch, family, shape, vocab, num_labels, g):
+    """One training batch on the CPU, drawn from generator g."""
+    if family == "resnet":
+        b, side = shape
+        return {"pixel_values": torch.randn(b, 3, side, side, generator=g),
+                "labels": torch.randint(0, num_labels, (b,), generator=g)}
+    b, s = shape
+    ids = torch.randint(5, vocab, (b, s), generator=g)
+    if family != "bert":
+        return {"input_ids": ids, "labels": ids}
+    masked = torch.rand(b, s, generator=g) < 0.15
+    masked[:, 0] = True  # every row has a target: the loss is never a mean over nothing
+    labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    mask_id = 103 if vocab > 103 else 4
+    inputs = torch.where(masked, torch.full_like(ids, mask_id), ids)
+    return {"input_ids": inputs, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def worker(a):
+    """One (model, allocator) run; writes its result as JSON to a.result. Exit 0, 1 or 77."""
+    t0 = time.perf_counter()
+    res = {"model": a.model, "allocator": a.allocator, "mode": a.mode, "status": "error", "notes": []}
+
+    def save():
+        res["worker_s"] = time.perf_counter() - t0
+        with open(a.result, "w") as f:
+            json.dump(res, f)
+
+    if os.environ.get("REAL_MODELS_FAKE"):
+        return fake_worker(a, res, save)
+    try:
+        import torch
+        import transformers
+    except Exception as e:
+        res.update(status="skipped", reason="torch/transformers not importable (%s)" % e, exit77=True)
+        save()
+        return 77
+    if not torch.cuda.is_available():
+        res.update(status="skipped", reason="no CUDA device", exit77=True)
+        save()
+        return 77
+    try:
+        return run_workload(a, res, save, torch, transformers, t0)
+    except Exception as e:
+        res["error"] = "%s: %s" % (type(e).__name__, e)
+        res["traceback"] = traceback.format_exc()[-4000:]
+        traceback.print_exc()
+        save()
+        return 1
+
+
+def run_workload(a, res, save, torch, transformers, t0):
+    import gc
+    import warnings
+
+    spec = MODELS[a.model][a.mode]
+    family = MODELS[a.model]["family"]
+    vt = None
+    if a.allocator == "vmmalloc":
+        sys.path.insert(0, os.path.join(REPO, "python"))
+        import vmmalloc.torch as vt
+
+        res["vmm_library"] = vt.enable()  # before the first CUDA allocation
+        res["vmm_env"] = {k: v for k, v in os.environ.items() if k.startswith("VMMALLOC_")}
+    if not a.nondeterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if hasattr(torch, "utils") and hasattr(torch.utils, "deterministic"):
+            # Deterministic mode would also fill every new tensor with NaN: a kernel per
+            # allocation that changes no result here, only the timings.
+            torch.utils.deterministic.fill_uninitialized_memory = False
+        torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    torch.zeros(1, device=dev)  # the context and the allocator's first block
+    torch.cuda.synchronize()
+    res["import_s"] = time.perf_counter() - t0
+    res.update(torch=torch.__version__, transformers=transformers.__version__,
+               device=torch.cuda.get_device_name(dev), cuda=torch.version.cuda,
+               alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+               allocator_backend=_safe(lambda: torch.cuda.memory.get_allocator_backend()))
+    if a.allocator == "vmmalloc":
+        res["vmm_config"] = vt.config(0)
+    free0, total = torch.cuda.mem_get_info(dev)
+    start_used = total - free0
+    res["device_total"] = total
+    dev_max = [0]
+    probe = Probe(torch, a.allocator, dev, vt)
+    peaks = {"held": 0, "allocated": 0}
+    phase_peaks = {}
+    track = {"peak_at": None, "vmm_at_peak": None, "vmm_best": -1}
+
+    def sample(phase, label):
+        m = probe.read()
+        free, _ = torch.cuda.mem_get_info(dev)
+        dev_max[0] = max(dev_max[0], total - free - start_used)
+        pp = phase_peaks.setdefault(phase, {"held": 0, "allocated": 0})
+        for k in ("held", "allocated"):
+            v = m.get(k)
+            if v is not None:
+                pp[k] = max(pp[k], v)
+                if k == "held" and v > peaks["held"]:
+                    track["peak_at"] = label
+                peaks[k] = max(peaks[k], v)
+        if m.get("vmm") and m["vmm"].get("peak_physical", 0) > track["vmm_best"]:
+            s = m["vmm"]
+            track["vmm_best"] = s["peak_physical"]
+            track["vmm_at_peak"] = dict({k: s.get(k) for k in VMM_AT_PEAK}, at=label)
+        if m.get("pool"):
+            res["pool_last"] = m["pool"]
+        return m
+
+    # ---- init: the model on the GPU (weights drawn on the CPU: the same in every process)
+    probe.reset()
+    torch.manual_seed(SEED)
+    ti = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # each warning once per place: a step loop would repeat them
+        model, cfg, vocab = build_model(transformers, family, spec["config"], a.attn)
+        if family == "mixtral" and hasattr(model, "set_experts_implementation"):
+            try:
+                model.set_experts_implementation(a.moe_experts)
+                res["experts_implementation"] = a.moe_experts
+            except Exception as e:  # an older or newer API: keep its default, say so
+                res["notes"].append("set_experts_implementation(%r) failed: %s" % (a.moe_experts, e))
+        res["parameters"] = sum(p.numel() for p in model.parameters())
+        res["attn_implementation"] = str(getattr(cfg, "_attn_implementation", a.attn))
+        model.to(dev)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+        torch.cuda.synchronize()
+        res["init_s"] = time.perf_counter() - ti
+        sample("init", "init")
+
+        # ---- train
+        probe.reset()
+        g = torch.Generator().manual_seed(SEED + 1)
+        num_labels = getattr(cfg, "num_labels", 2)
+        steps, losses = [], []
+        tt = time.perf_counter()
+        for i, shape in enumerate(spec["train"]):
+            batch = {k: v.to(dev) for k, v in make_batch(torch, family, shape, vocab, num_labels, g).items()}
+            s0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(**batch)
+            loss = out.loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            lv = float(loss.item())  # waits for the step
+            secs = time.perf_counter() - s0
+            del out, loss, batch
+            losses.append(lv)
+            steps.append({"shape": list(shape), "loss": lv, "seconds": secs})
+            sample("train", step_label("train", i, shape))
+        res["train_s"] = time.perf_counter() - tt
+        res["steps"], res["losses"] = steps, losses
+        res["median_step_s"] = statistics.median(s["seconds"] for s in steps) if steps else None
+
+        # ---- generate: greedy, fixed lengths (min_new_tokens), no padding
+        del opt
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        gens = []
+        if spec["generate"]:
+            probe.reset()
+            model.eval()
+            if getattr(model.config, "output_router_logits", False):
+                model.config.output_router_logits = False  # the auxiliary loss is for training only
+            gg = torch.Generator().manual_seed(SEED + 2)
+            tg = time.perf_counter()
+            for i, (b, p, n) in enumerate(spec["generate"]):
+                ids = torch.randint(5, vocab, (b, p), generator=gg).to(dev)
+                g0 = time.perf_counter()
+                with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                         min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
+                torch.cuda.synchronize()
+                secs = time.perf_counter() - g0
+                toks = out[:, p:].cpu()
+                if tuple(toks.shape) != (b, n):
+                    raise RuntimeError("generate call %d made %s tokens, not %s" % (i, tuple(toks.shape), (b, n)))
+                gens.append({"shape": [b, p, n], "seconds": secs, "tokens_per_s": b * n / secs,
+                             "tokens": toks.tolist()})
+                del out, ids
+                sample("generate", step_label("generate", i, (b, p, n)))
+            res["generate_s"] = time.perf_counter() - tg
+        res["generate"] = gens
+    res["determinism_warnings"] = sorted({str(w.message).split("\n")[0][:200] for w in caught
+                                          if "determinis" in str(w.message)})
+
+    free, _ = torch.cuda.mem_get_info(dev)
+    res["device_used"] = {"start": start_used, "max_above_start": dev_max[0], "end_above_start": total - free - start_used}
+    res["held_peak"], res["alloc_peak"] = peaks["held"] or None, peaks["allocated"] or None
+    if not peaks["held"]:
+        res["held_error"] = probe.pool_error or "the allocator reported no held bytes"
+    res["held_source"], res["alloc_source"] = HELD_SOURCE[a.allocator], ALLOC_SOURCE[a.allocator]
+    res["phase_peaks"] = phase_peaks
+    res["peak_at"] = track["peak_at"]
+    if vt is not None:
+        res["vmm_at_peak"] = track["vmm_at_peak"]
+        res["vmm_stats_end"] = vt.stats(0)
+        res["vmm_check"] = vt.check(0)
+        if os.environ.get("VMMALLOC_TRACE"):
+            vt.flush_trace()
+    if a.allocator == "async" and probe.pool is None:
+        res["notes"].append("default pool not readable through the driver: %s" % probe.pool_error)
+    res["status"] = "ok"
+    save()
+    print("RESULT %s / %s: held %s GiB, allocated %s GiB, train %.2f s, generate %.2f s" % (
+        a.model, a.allocator, gib(res["held_peak"]), gib(res["alloc_peak"]), res["train_s"],
+        res.get("generate_s", 0.0)), flush=True)
+    return 0
+
+
+def _safe(f):
+    try:
+        return f()
+    except Exception as e:
+        return "unknown (%s)" % type(e).__name__
+
+
+def fake_worker(a, res, save):
+    """A stand-in for tests without torch (REAL_MODELS_FAKE = a JSON object): numbers derived from
+    the names; "fail", "hang", "loss" (model/allocator -> added loss) and "flip" (tokens) inject
+    what the driver must report."""
+    spec = json.loads(os.environ["REAL_MODELS_FAKE"])
+    key = "%s/%s" % (a.model, a.allocator)
+    if key in spec.get("hang", []):
+        time.sleep(3600)
+    if key in spec.get("fail", []):
+        res["error"] = "RuntimeError: injected failure"
+        save()
+        return 1
+    if spec.get("skip77"):
+        res.update(status="skipped", reason="no CUDA device", exit77=True)
+        save()
+        return 77
+    w = MODELS[a.model][a.mode]
+    base = (1 + ALLOCATORS.index(a.allocator)) * (1 << 30)
+    res.update(status="ok", parameters=1000000, torch="fake", transformers="fake", device="fake device",
+               held_peak=base + (1 << 29), alloc_peak=base, peak_at=step_label("train", 0, w["train"][0]),
+               median_step_s=0.01, train_s=0.1, init_s=0.01, import_s=0.01,
+               phase_peaks={"init": {"held": 1 << 20, "allocated": 1 << 20}, "train": {"held": base, "allocated": base}},
+               device_used={"start": 0, "max_above_start": base + (1 << 29), "end_above_start": base})
+    res["losses"] = [10.0 - i * 0.1 + spec.get("loss", {}).get(key, 0.0) for i in range(len(w["train"]))]
+    toks = [[[7] * n for _ in range(b)] for b, _, n in w["generate"]]
+    if key in spec.get("flip", []) and toks:
+        toks[0][0][-1] = 8
+    res["generate"] = [{"shape": [b, p, n], "seconds": 0.01, "tokens": t} for (b, p, n), t in zip(w["generate"], toks)]
+    res["generate_s"] = 0.01 * len(w["generate"])
+    if a.allocator == "vmmalloc":
+        res["vmm_at_peak"] = {"at": "train 0 (1x1)", "peak_physical": base, "requested": base, "mapped": base}
+        res["vmm_stats_end"] = {"malloc_failures": 0, "free_failures": 0}
+        res["vmm_check"] = ""
+        res["vmm_env"] = {k: v for k, v in os.environ.items() if k.startswith("VMMALLOC_")}
+        if os.environ.get("VMMALLOC_TRACE"):
+            with open(os.environ["VMMALLOC_TRACE"], "w") as f:
+                f.write("# vmmalloc-trace v2 fake\na 10 100 0 1 0\nf 10 100 0 1 5\n")
+    save()
+    return 0
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+def child_env(allocator, a, trace_path=None):
+    env = dict(os.environ)
+    # PYTORCH_ALLOC_CONF is the newer name of the same setting: neither may leak into another run.
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env.pop(k, None)
+    if ALLOC_CONF[allocator]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF[allocator]
+    if allocator == "vmmalloc":
+        env.update(a.vmm_env)
+        if trace_path:
+            env["VMMALLOC_TRACE"] = trace_path
+    else:
+        env.pop("VMMALLOC_TRACE", None)
+    if not a.nondeterministic:
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # before cuBLAS starts: deterministic GEMMs
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def run_one(a, model, allocator, timeout, logdir, trace_path=None):
+    """Runs one worker process; returns its result dict with wall_s, exit_code, status."""
+    result_path = os.path.join(logdir, "%s-%s.json" % (model, allocator))
+    log_path = os.path.join(logdir, "%s-%s.log" % (model, allocator))
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--allocator", allocator,
+           "--mode", a.mode, "--result", result_path, "--attn", a.attn, "--moe-experts", a.moe_experts]
+    if a.nondeterministic:
+        cmd.append("--nondeterministic")
+    t0 = time.perf_counter()
+    timed_out = False
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, env=child_env(allocator, a, trace_path), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        try:
+            rc = p.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the worker and anything it started
+            except ProcessLookupError:
+                pass
+            rc = p.wait()
+    wall = time.perf_counter() - t0
+    res = {"model": model, "allocator": allocator, "status": "error"}
+    if os.path.exists(result_path):
+        try:
+            with open(result_path) as f:
+                res = json.load(f)
+        except ValueError as e:
+            res["error"] = "unreadable result: %s" % e
+    res["wall_s"], res["exit_code"] = wall, rc
+    with open(log_path, errors="replace") as f:
+        tail = f.read()[-3000:]
+    if a.verbose:
+        print(tail, flush=True)
+    if timed_out:
+        res.update(status="timeout", error="killed after %.0f s (the run's time limit)" % timeout)
+    elif rc == 77 and res.get("exit77"):
+        res["status"] = "skipped"
+    elif rc != 0 and res.get("status") == "ok":
+        res.update(status="error", error="exit %d after reporting success" % rc)
+    elif rc != 0 and not res.get("error"):
+        res["error"] = "exit %d without a result (killed? see the log tail)" % rc
+    if res.get("status") not in ("ok", "skipped"):
+        res["log_tail"] = tail
+    return res
+
+
+def find_replay(a):
+    if a.replay_bin:
+        return a.replay_bin if os.access(a.replay_bin, os.X_OK) else None
+    found = sorted(glob.glob(os.path.join(REPO, "build*", "tools", "replay", "vmm-replay")), key=os.path.getmtime,
+                   reverse=True)
+    return found[0] if found else None
+
+
+def replay_trace(a, run, trace_gz, budget_left, runs):
+    """vmm-replay of the recorded trace on the GPU: vmmalloc's and cudaMallocAsync's peaks beside
+    the real processes'. Returns the "trace" section of the result."""
+    out = {"path": trace_gz, "rows": []}
+    binp = find_replay(a)
+    if not binp:
+        out["status"] = "recorded; vmm-replay not found (build it, or --replay-bin): not replayed"
+        return out
+    if budget_left < 30:
+        out["status"] = "recorded; not replayed (time budget spent)"
+        return out
+    js = trace_gz.replace(".trace.gz", ".replay.json")
+    cmd = [binp, trace_gz, "--backend", "cuda", "--allocators", "vmmalloc,cudaMallocAsync,null", "--json", js]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=min(180, budget_left - 10), errors="replace")
+        rc, text = p.returncode, p.stdout
+    except subprocess.TimeoutExpired:
+        out["status"] = "recorded; vmm-replay timed out"
+        return out
+    out["replay_s"] = time.perf_counter() - t0
+    out["command"] = " ".join(cmd)
+    if rc != 0 or not os.path.exists(js):
+        out["status"] = "recorded; vmm-replay exited %d" % rc
+        out["replay_output_tail"] = text[-2000:]
+        return out
+    with open(js) as f:
+        rows = json.load(f)
+    out["status"] = "replayed in %.0f s" % out["replay_s"]
+    real = {r["allocator"]: r for r in runs if r["model"] == "llama" and r.get("status") == "ok"}
+    for r in rows:
+        name = r.get("name")
+        if name == "null":
+            continue
+        peak = r.get("peak_mapped_bytes")
+        live = r.get("peak_live_bytes")
+        ref = real.get("vmmalloc" if name == "vmmalloc" else "async" if name == "cudaMallocAsync" else "")
+        line = "replay %s: peak held %s GiB (trace's peak live %s GiB), %.1f ns/event" % (
+            name, gib(peak), gib(live), r.get("ns_per_op") or 0.0)
+        if ref and ref.get("held_peak") and peak:
+            line += "; the real process held %s GiB (replay / real %.3f)" % (gib(ref["held_peak"]), peak / ref["held_peak"])
+        out["rows"].append(line)
+        out.setdefault("replay", []).append({k: r.get(k) for k in ("name", "peak_mapped_bytes", "peak_live_bytes",
+                                                                   "ns_per_op", "threads", "handoffs", "events")})
+    return out
+
+
+def commit_of():
+    # tools/gpu-check's copy on the device machine may carry a stale .git; .deps/COMMIT is current.
+    try:
+        with open(os.path.join(REPO, ".deps", "COMMIT")) as f:
+            c = f.readline().strip()
+        if c:
+            return c[:12]
+    except OSError:
+        pass
+    try:
+        return subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def driver(a):
+    os.makedirs(a.out, exist_ok=True)
+    logdir = tempfile.mkdtemp(prefix="real-models-")
+    trace_dir = None
+    if a.trace:
+        trace_dir = os.path.abspath(a.trace)
+        os.makedirs(trace_dir, exist_ok=True)
+    print("real_models: %s; models %s; allocators %s; budget %s; per-run limit %.0f s" % (
+        a.mode, ",".join(a.models), ",".join(a.allocators), "%.0f s" % a.budget if a.budget else "none",
+        a.run_timeout), flush=True)
+    runs, slowest = [], {}
+    skip77 = False
+    trace_section = None
+    for model in a.models:
+        for alloc in a.allocators:
+            elapsed = time.perf_counter() - T_START
+            est = slowest.get(model, MODELS[model][a.mode]["estimate_s"])
+            left = (a.budget - elapsed) if a.budget else None
+            if skip77:
+                runs.append({"model": model, "allocator": alloc, "status": "skipped", "reason": "no torch/CUDA"})
+                continue
+            if left is not None and est > left:
+                runs.append({"model": model, "allocator": alloc, "status": "skipped",
+                             "reason": "time budget (~%.0f s needed, %.0f s left)" % (est, max(0, left))})
+                print("[%4.0fs] %-6s %-10s skipped: ~%.0f s does not fit the %.0f s left of the budget" % (
+                    elapsed, model, alloc, est, max(0, left)), flush=True)
+                continue
+            limit = a.run_timeout if left is None else min(a.run_timeout, left)
+            tpath = None
+            if trace_dir and model == "llama" and alloc == "vmmalloc":
+                tpath = os.path.join(trace_dir, "llama-vmmalloc.trace")
+            r = run_one(a, model, alloc, limit, logdir, tpath)
+            if r.get("status") == "skipped" and r.get("exit77"):
+                skip77 = True
+            if r.get("status") == "ok":
+                slowest[model] = max(slowest.get(model, 0.0), r["wall_s"] * 1.1 + 3)
+            runs.append(r)
+            print("[%4.0fs] %-6s %-10s %s in %.1f s%s" % (
+                time.perf_counter() - T_START, model, alloc, r.get("status"), r["wall_s"],
+                "" if r.get("status") != "ok" else ": held %s GiB, allocated %s GiB, step median %.1f ms, "
+                "train %.2f s, generate %.2f s (import %.1f s, init %.1f s)" % (
+                    gib(r.get("held_peak")), gib(r.get("alloc_peak")), (r.get("median_step_s") or 0) * 1e3,
+                    r.get("train_s") or 0, r.get("generate_s") or 0, r.get("import_s") or 0, r.get("init_s") or 0)),
+                flush=True)
+            if r.get("status") not in ("ok", "skipped"):
+                print("       %s\n       log tail:\n%s" % (r.get("error"), "\n".join(
+                    "       | " + ln for ln in r.get("log_tail", "").splitlines()[-25:])), flush=True)
+            if tpath and os.path.exists(tpath):
+                gz = tpath + ".gz"
+                with open(tpath, "rb") as src, gzip.open(gz, "wb", compresslevel=9) as dst:
+                    shutil.copyfileobj(src, dst)
+                os.remove(tpath)
+                left = (a.budget - (time.perf_counter() - T_START)) if a.budget else 600
+                trace_section = {"run_status": r.get("status"), "size_bytes": os.path.getsize(gz)}
+                trace_section.update(replay_trace(a, r, gz, left, runs) if r.get("status") == "ok"
+                                     else {"path": gz, "status": "recorded by a run that failed", "rows": []})
+            elif tpath:
+                trace_section = {"path": tpath, "status": "no trace written (the run %s)" % r.get("status"), "rows": []}
+    if skip77 and not any(r.get("status") == "ok" for r in runs):
+        print("real_models: skipped: %s" % next((r.get("reason") for r in runs if r.get("exit77")), "no CUDA"))
+        shutil.rmtree(logdir, ignore_errors=True)
+        return 77
+
+    comparisons = compare_runs(runs, a.loss_rtol)
+    failures, notes = judge(runs, comparisons)
+    if trace_section and not str(trace_section.get("status", "")).startswith("replayed"):
+        notes.append("trace: %s" % trace_section.get("status"))
+    if trace_section and trace_section.get("run_status") == "ok":
+        notes.append("llama / vmmalloc recorded its trace (VMMALLOC_TRACE): its timings include the recording")
+    ok = [r for r in runs if r.get("status") == "ok"]
+    first = ok[0] if ok else {}
+    for r in ok:
+        if r["model"] == "llama" and a.mode == "full" and r.get("held_peak") and r["held_peak"] < 5 * GiB:
+            notes.append("llama / %s: peak held %.2f GiB, below the 5 GiB the suite is sized for" % (
+                r["allocator"], r["held_peak"] / GiB))
+    meta = {"mode": a.mode, "models": a.models, "allocators": a.allocators, "device": first.get("device", "?"),
+            "torch": first.get("torch", "?"), "transformers": first.get("transformers", "?"),
+            "commit": commit_of(), "vmm_env": a.vmm_env, "budget_s": a.budget, "run_timeout_s": a.run_timeout,
+            "loss_rtol": a.loss_rtol, "attn": a.attn, "moe_experts": a.moe_experts,
+            "settings": "%s attention, %s, bf16 autocast, AdamW" % (
+                a.attn, "nondeterministic" if a.nondeterministic else "deterministic algorithms"),
+            "workloads": {m: MODELS[m][a.mode] for m in a.models}}
+    total = time.perf_counter() - T_START
+    result = {"meta": meta, "runs": runs, "comparisons": comparisons, "failures": failures, "notes": notes,
+              "trace": trace_section, "seconds": total, "passed": not failures}
+    md = markdown(result)
+    print()
+    print(md)
+    with open(os.path.join(a.out, "real_models.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(a.out, "real_models.md"), "w") as f:
+        f.write(md + "\n")
+    if a.keep_logs:
+        shutil.copytree(logdir, os.path.join(a.out, "real-models-logs"), dirs_exist_ok=True)
+    shutil.rmtree(logdir, ignore_errors=True)
+    print("written: %s/real_models.{md,json}" % a.out)
+    print("real_models: %s (%.0f s)" % ("passed" if not failures else "FAILED", total))
+    return 0 if not failures else 1
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="tiny shapes: seconds a run, ~2 minutes in all")
+    mode.add_argument("--full", action="store_true", help="the real sizes, under 7 minutes on one H100")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma list of %s (default %s)" % (",".join(MODELS), ",".join(DEFAULT_MODELS)))
+    p.add_argument("--allocators", default=",".join(ALLOCATORS), help="comma list of %s" % ",".join(ALLOCATORS))
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VAL",
+                   help="environment of the vmmalloc runs (repeatable), e.g. VMMALLOC_RELEASE_THRESHOLD=0")
+    p.add_argument("--out", default=os.environ.get("VMM_OUT") or "real-models-out")
+    p.add_argument("--trace", metavar="DIR", help="record the llama run under vmmalloc into DIR and replay it")
+    p.add_argument("--replay-bin", help="vmm-replay for --trace (default: the newest build*/tools/replay/vmm-replay)")
+    p.add_argument("--budget", type=float, help="seconds for the whole suite; runs that would not fit are "
+                                                "skipped (default 420 with --full, none with --quick)")
+    p.add_argument("--run-timeout", type=float, help="seconds one run may take (default 180 --full, 120 --quick)")
+    p.add_argument("--loss-rtol", type=float, default=1e-3, help="relative tolerance of training losses")
+    p.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
+    p.add_argument("--moe-experts", default="eager", help="transformers' experts implementation of the moe model")
+    p.add_argument("--nondeterministic", action="store_true", help="leave PyTorch's deterministic settings off")
+    p.add_argument("--keep-logs", action="store_true", help="copy every run's log into OUT/real-models-logs/")
+    p.add_argument("--verbose", action="store_true", help="print each run's log tail")
+    # The worker side (one run), started by the driver.
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--allocator", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        return a
+    if not (a.quick or a.full):
+        p.error("give --quick (tiny shapes) or --full (the real sizes)")
+    a.mode = "full" if a.full else "quick"
+    try:
+        a.models = pick(a.models, tuple(MODELS), "models")
+        a.allocators = pick(a.allocators, ALLOCATORS, "allocators")
+        a.vmm_env = parse_env(a.env)
+    except ValueError as e:
+        p.error(str(e))
+    if a.budget is None and a.full:
+        a.budget = 420.0
+    if a.run_timeout is None:
+        a.run_timeout = 180.0 if a.full else 120.0
+    return a
+
+
+def main(argv=None):
+    a = parse(argv)
+    if a.worker:
+        return worker(a)
+    return driver(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""bench/real_models.py without torch or a GPU: the comparison of outputs, the report's tables,
+the workloads' sizes, and the driver end to end over stand-in workers (REAL_MODELS_FAKE): runs
+that fail, hang or differ are reported and the suite keeps going."""
+
+import argparse
+import gzip
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.normpath(os.path.join(HERE, "..", "..", "bench", "real_models.py"))
+spec = importlib.util.spec_from_file_location("real_models", SCRIPT)
+rm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rm)
+
+
+def run_entry(model, allocator, losses, gens=None, **kw):
+    r = {"model": model, "allocator": allocator, "status": "ok", "losses": losses, "generate": gens or [],
+         "held_peak": 3 << 30, "alloc_peak": 2 << 30, "wall_s": 12.0, "median_step_s": 0.05, "train_s": 1.0}
+    r.update(kw)
+    return r
+
+
+def tables(md):
+    """Each markdown table as a list of rows of cells (header first, separator dropped)."""
+    out, cur = [], None
+    for line in md.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cur is None:
+                cur = []
+                out.append(cur)
+            if not all(set(c) <= set("-:") and c for c in cells):
+                cur.append(cells)
+        else:
+            cur = None
+    return out
+
+
+class Pure(unittest.TestCase):
+    def test_parse_env(self):
+        self.assertEqual(rm.parse_env(["VMMALLOC_RELEASE_THRESHOLD=0", "A=b=c"]),
+                         {"VMMALLOC_RELEASE_THRESHOLD": "0", "A": "b=c"})
+        for bad in ("NOEQUALS", "=1", "BAD KEY=1"):
+            with self.assertRaises(ValueError) as e:
+                rm.parse_env([bad])
+            self.assertIn(repr(bad), str(e.exception))
+
+    def test_pick(self):
+        self.assertEqual(rm.pick("vmmalloc, caching,vmmalloc", rm.ALLOCATORS, "allocators"), ["vmmalloc", "caching"])
+        with self.assertRaises(ValueError) as e:
+            rm.pick("caching,cudaMalloc", rm.ALLOCATORS, "allocators")
+        self.assertIn("unknown cudaMalloc", str(e.exception))
+        with self.assertRaises(ValueError):
+            rm.pick(",", rm.ALLOCATORS, "allocators")
+
+    def test_compare_exact_within_and_beyond_tolerance(self):
+        runs = [run_entry("llama", "caching", [10.0, 9.0, 8.0]),
+                run_entry("llama", "expandable", [10.0, 9.0, 8.0]),
+                run_entry("llama", "async", [10.0, 9.0 * (1 + 5e-4), 8.0]),
+                run_entry("llama", "vmmalloc", [10.0, 9.0, 8.1])]
+        c = {x["allocator"]: x for x in rm.compare_runs(runs, 1e-3)}
+        self.assertEqual(set(c), {"expandable", "async", "vmmalloc"})
+        self.assertTrue(all(x["reference"] == "caching" for x in c.values()))
+        self.assertTrue(c["expandable"]["losses_exact"])
+        self.assertEqual(c["expandable"]["mismatches"], [])
+        self.assertFalse(c["async"]["losses_exact"])
+        self.assertEqual(c["async"]["mismatches"], [])
+        self.assertAlmostEqual(c["async"]["losses_max_rel"], 5e-4, places=9)
+        self.assertEqual(len(c["vmmalloc"]["mismatches"]), 1)
+        self.assertIn("loss of step 2", c["vmmalloc"]["mismatches"][0])
+        self.assertIsNone(c["vmmalloc"]["tokens_equal"])  # no generate calls
+
+    def test_compare_tokens_nan_and_lengths(self):
+        gen = [{"shape": [2, 4, 3], "tokens": [[1, 2, 3], [4, 5, 6]]}]
+        flipped = [{"shape": [2, 4, 3], "tokens": [[1, 2, 3], [4, 9, 6]]}]
+        runs = [run_entry("moe", "expandable", [1.0, 2.0], gen),  # no caching run: the first passed one is the reference
+                run_entry("moe", "async", [1.0, 2.0], flipped),
+                run_entry("moe", "vmmalloc", [1.0, float("nan")], gen),
+                run_entry("moe", "caching", [1.0], gen, status="error")]
+        c = {x["allocator"]: x for x in rm.compare_runs(runs, 1e-3)}
+        self.assertEqual(set(c), {"async", "vmmalloc"})  # the failed run is not compared
+        self.assertEqual(c["async"]["reference"], "expandable")
+        self.assertFalse(c["async"]["tokens_equal"])
+        self.assertEqual(c["async"]["first_token_difference"],
+                         {"row": 1, "position": 1, "differing": 1, "total": 6, "call": 0})
+        self.assertIn("first at row 1 position 1", c["async"]["mismatches"][0])
+        self.assertTrue(c["vmmalloc"]["tokens_equal"])
+        self.assertIn("NaN", c["vmmalloc"]["mismatches"][0])
+        short = rm.compare_runs([run_entry("x", "caching", [1.0, 2.0]), run_entry("x", "async", [1.0])], 1e-3)
+        self.assertIn("1 losses, the reference has 2", short[0]["mismatches"][0])
+
+    def test_first_token_difference_ragged(self):
+        self.assertIsNone(rm.first_token_difference([[1, 2]], [[1, 2]]))
+        d = rm.first_token_difference([[1, 2]], [[1, 2], [3]])
+        self.assertEqual((d["row"], d["position"], d["differing"]), (1, 0, 1))
+
+    def test_judge(self):
+        runs = [run_entry("llama", "caching", [1.0]),
+                run_entry("llama", "vmmalloc", [1.0], vmm_check="free list broken",
+                          vmm_stats_end={"malloc_failures": 2, "free_failures": 0}),
+                {"model": "llama", "allocator": "async", "status": "timeout", "error": "killed after 9 s"},
+                {"model": "llama", "allocator": "expandable", "status": "skipped", "reason": "time budget"}]
+        bad = run_entry("bert", "async", [float(i) + 0.5 for i in range(6)])
+        runs += [run_entry("bert", "caching", [float(i) + 1 for i in range(6)]), bad]
+        failures, notes = rm.judge(runs, rm.compare_runs(runs, 1e-3))
+        text = "\n".join(failures)
+        self.assertIn("llama / vmmalloc: vmmalloc check(): free list broken", text)
+        self.assertIn("malloc_failures = 2", text)
+        self.assertIn("llama / async timeout: killed after 9 s", text)
+        self.assertIn("... and 3 more differences", text)  # six differing losses: three shown
+        self.assertEqual(sum("bert / async vs caching" in f for f in failures), 4)
+        self.assertIn("llama / expandable skipped: time budget", notes)
+        none_ok = rm.judge([{"model": "x", "allocator": "caching", "status": "skipped", "reason": "r"}], [])[0]
+        self.assertEqual(none_ok, ["no run completed"])
+
+    def test_markdown_tables_are_rectangular(self):
+        runs = [run_entry("llama", "caching", [1.0], phase_peaks={"train": {"held": 1 << 30}}, peak_at="train 3 (8x2048)"),
+                run_entry("llama", "vmmalloc", [1.5], vmm_at_peak={"at": "train 4 (4x2048)", "peak_physical": 5 << 30,
+                                                                 "requested": 4 << 30, "deferred": 0, "live": 12}),
+                {"model": "llama", "allocator": "async", "status": "error", "error": "RuntimeError: a | b\nsecond", "wall_s": 3.0},
+                {"model": "llama", "allocator": "expandable", "status": "skipped", "reason": "time budget"}]
+        comps = rm.compare_runs(runs, 1e-3)
+        result = {"meta": {"models": ["llama"], "mode": "full", "vmm_env": {"VMMALLOC_RELEASE_THRESHOLD": "0"}},
+                  "runs": runs, "comparisons": comps, "failures": ["x"], "notes": [], "seconds": 5, "passed": False}
+        md = rm.markdown(result)
+        ts = tables(md)
+        self.assertEqual(len(ts), 3)  # main, phases, vmmalloc at its peak
+        for t in ts:
+            self.assertTrue(all(len(row) == len(t[0]) for row in t), t)
+        main = {row[1]: row for row in ts[0][1:]}
+        self.assertEqual(main["PyTorch caching"][11], "reference")
+        self.assertEqual(main["PyTorch caching"][6], "train 3 (8x2048)")
+        self.assertEqual(main["vmmalloc"][11], "**MISMATCH** (1)")
+        self.assertEqual(main["vmmalloc"][5], "1.000")  # held vs caching: the same held bytes
+        self.assertTrue(main["cudaMallocAsync"][2].startswith("error: RuntimeError: a / b second"))
+        self.assertEqual(main["expandable segments"][2], "skipped: time budget")
+        self.assertEqual(ts[2][1][:3], ["llama", "train 4 (4x2048)", "5.00"])
+        self.assertIn("VMMALLOC_RELEASE_THRESHOLD=0", md)
+        self.assertIn("FAILED", md)
+
+    def test_workloads(self):
+        for name, m in rm.MODELS.items():
+            for mode in ("quick", "full"):
+                w = m[mode]
+                self.assertTrue(w["train"], (name, mode))
+                for shape in w["train"]:
+                    self.assertTrue(len(shape) == 2 and all(isinstance(x, int) and x > 0 for x in shape))
+                cfg = w["config"]
+                for b, p, n in w["generate"]:
+                    self.assertLessEqual(p + n, cfg["max_position_embeddings"], (name, mode))
+                if m["family"] in ("llama", "mixtral", "bert"):
+                    for b, s in w["train"]:
+                        self.assertLessEqual(s, cfg["max_position_embeddings"], (name, mode))
+                        self.assertLessEqual(b * s, 32768, (name, mode))  # logits and activations stay bounded
+        # The llama of --full: weights + gradients + AdamW's two moments (16 B a parameter) alone
+        # reach 5 GiB, so its peak does whatever the activations add.
+        c = rm.MODELS["llama"]["full"]["config"]
+        h, i, layers, v = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+        kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+        params = layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h) + 2 * v * h + h
+        self.assertGreater(16 * params, 5 << 30)
+        self.assertTrue(len({s for s in rm.MODELS["llama"]["full"]["train"]}) >= 10)  # shapes vary
+        self.assertTrue(len({b for b, _, _ in rm.MODELS["llama"]["full"]["generate"]}) >= 4)
+        self.assertTrue(len({b for b, _ in rm.MODELS["bert"]["full"]["train"]}) >= 10)
+
+    def test_child_env(self):
+        a = argparse.Namespace(vmm_env={"VMMALLOC_RELEASE_THRESHOLD": "0"}, nondeterministic=False)
+        old = dict(os.environ)
+        try:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+            os.environ["PYTORCH_ALLOC_CONF"] = "garbage_collection_threshold:0.5"
+            os.environ["VMMALLOC_TRACE"] = "/tmp/inherited"
+            caching = rm.child_env("caching", a)
+            self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", caching)
+            self.assertNotIn("PYTORCH_ALLOC_CONF", caching)
+            self.assertNotIn("VMMALLOC_RELEASE_THRESHOLD", caching)
+            self.assertNotIn("VMMALLOC_TRACE", caching)
+            self.assertEqual(rm.child_env("async", a)["PYTORCH_CUDA_ALLOC_CONF"], "backend:cudaMallocAsync")
+            self.assertEqual(rm.child_env("expandable", a)["PYTORCH_CUDA_ALLOC_CONF"], "expandable_segments:True")
+            v = rm.child_env("vmmalloc", a, "/tmp/t.trace")
+            self.assertNotIn("PYTORCH_CUDA_ALLOC_CONF", v)
+            self.assertEqual(v["VMMALLOC_RELEASE_THRESHOLD"], "0")
+            self.assertEqual(v["VMMALLOC_TRACE"], "/tmp/t.trace")
+            self.assertEqual(v["CUBLAS_WORKSPACE_CONFIG"], ":4096:8")
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+
+
+class Driver(unittest.TestCase):
+    def run_suite(self, fake, *args, expect_rc):
+        out = tempfile.mkdtemp(prefix="rm-test-")
+        self.addCleanup(shutil.rmtree, out, True)
+        env = dict(os.environ, REAL_MODELS_FAKE=json.dumps(fake))
+        p = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", out] + list(args), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+        self.assertEqual(p.returncode, expect_rc, p.stdout[-3000:])
+        res = None
+        if os.path.exists(os.path.join(out, "real_models.json")):
+            with open(os.path.join(out, "real_models.json")) as f:
+                res = json.load(f)
+        return p.stdout, res, out
+
+    def test_all_pass(self):
+        text, res, out = self.run_suite({}, "--env", "VMMALLOC_RELEASE_THRESHOLD=0", expect_rc=0)
+        self.assertTrue(res["passed"])
+        self.assertEqual(len(res["runs"]), 12)
+        self.assertEqual({r["status"] for r in res["runs"]}, {"ok"})
+        self.assertTrue(os.path.exists(os.path.join(out, "real_models.md")))
+        for r in res["runs"]:  # --env reaches the vmmalloc runs, and only them
+            self.assertEqual(r.get("vmm_env", {}).get("VMMALLOC_RELEASE_THRESHOLD"),
+                             "0" if r["allocator"] == "vmmalloc" else None)
+        self.assertIn("real_models: passed", text)
+        self.assertRegex(text, r"llama +vmmalloc +ok in [0-9.]+ s")  # each run's time is printed
+
+    def test_failures_hangs_and_mismatches_are_reported_and_the_rest_runs(self):
+        fake = {"fail": ["bert/expandable"], "hang": ["moe/async"], "loss": {"llama/async": 1.0},
+                "flip": ["moe/vmmalloc"]}
+        text, res, _ = self.run_suite(fake, "--run-timeout", "4", expect_rc=1)
+        st = {(r["model"], r["allocator"]): r["status"] for r in res["runs"]}
+        self.assertEqual(st[("bert", "expandable")], "error")
+        self.assertEqual(st[("moe", "async")], "timeout")
+        self.assertEqual(st[("moe", "vmmalloc")], "ok")  # ran after the hang was killed
+        self.assertEqual(sum(s == "ok" for s in st.values()), 10)
+        f = "\n".join(res["failures"])
+        self.assertIn("bert / expandable error: RuntimeError: injected failure", f)
+        self.assertIn("moe / async timeout: killed after 4 s", f)
+        self.assertIn("llama / async vs caching: loss of step 0", f)
+        self.assertIn("moe / vmmalloc vs caching: generate call 0", f)
+        self.assertIn("**MISMATCH**", text)
+        self.assertFalse(res["passed"])
+
+    def test_no_cuda_is_a_skip(self):
+        text, res, _ = self.run_suite({"skip77": True}, expect_rc=77)
+        self.assertIn("skipped", text)
+
+    def test_budget_skips_runs_that_do_not_fit(self):
+        text, res, _ = self.run_suite({}, "--budget", "10", expect_rc=1)  # quick estimates 25 s a run
+        self.assertEqual({r["status"] for r in res["runs"]}, {"skipped"})
+        self.assertIn("no run completed", res["failures"])
+        self.assertIn("does not fit", text)
+
+    def test_trace_is_recorded_compressed_and_reported(self):
+        tdir = tempfile.mkdtemp(prefix="rm-trace-")
+        self.addCleanup(shutil.rmtree, tdir, True)
+        text, res, _ = self.run_suite({}, "--models", "llama", "--allocators", "caching,vmmalloc", "--trace", tdir,
+                                      "--replay-bin", "/nonexistent/vmm-replay", expect_rc=0)
+        gz = os.path.join(tdir, "llama-vmmalloc.trace.gz")
+        with gzip.open(gz, "rt") as f:
+            self.assertTrue(f.readline().startswith("# vmmalloc-trace v2"))
+        self.assertFalse(os.path.exists(os.path.join(tdir, "llama-vmmalloc.trace")))
+        self.assertEqual(res["trace"]["path"], gz)
+        self.assertIn("vmm-replay not found", res["trace"]["status"])
+        self.assertEqual(len(res["runs"]), 2)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

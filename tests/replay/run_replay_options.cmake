@@ -1,0 +1,60 @@
+# vmm-replay --option NAME=VALUE: parsed by vmm::set_option and applied to vmmalloc.
+#   bad name / bad value / no '=' -> exit 2 with set_option's message
+#   release_threshold=0 -> the freed chunks are released (the default keeps them mapped)
+#   memory_limit=16M -> a 24 MiB allocation fails (exit 3): the option reaches the allocator
+# Needs REPLAY, SRC, WORK.
+set(T ${SRC}/options-trace.txt)
+file(MAKE_DIRECTORY ${WORK})
+
+function(expect_usage what want_rc want_msg)
+  execute_process(COMMAND ${REPLAY} ${T} --allocators vmmalloc ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL ${want_rc})
+    message(FATAL_ERROR "${what}: exit ${rc}, want ${want_rc}\n${out}${err}")
+  endif()
+  string(FIND "${err}" "${want_msg}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "${what}: stderr lacks '${want_msg}':\n${err}")
+  endif()
+endfunction()
+
+expect_usage("unknown name" 2 "--option: unknown option 'nosuch' (expected one of device," --option nosuch=1)
+expect_usage("bad value" 2 "--option: max_growth='lots': not a size" --option max_growth=lots)
+expect_usage("no value" 2 "--option 'release_threshold': expected NAME=VALUE" --option release_threshold)
+expect_usage("device" 2 "--option device: use --device N" --option device=1)
+expect_usage("memory_limit reaches the allocator" 3 "allocation failed at event 0" --option memory_limit=16M)
+
+# Runs the trace with ARGN, writes the JSON, returns one numeric field of vmmalloc's entry.
+function(replay_field out_var field json)
+  execute_process(COMMAND ${REPLAY} ${T} --allocators vmmalloc --json ${json} ${ARGN}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "vmm-replay ${ARGN}: exit ${rc}\n${out}${err}")
+  endif()
+  file(READ ${json} j)
+  string(JSON v GET "${j}" 0 ${field})
+  set(${out_var} "${v}" PARENT_SCOPE)
+  set(${out_var}_out "${out}${err}" PARENT_SCOPE)
+endfunction()
+
+replay_field(kept chunk_releases ${WORK}/default.json)
+replay_field(released chunk_releases ${WORK}/threshold0.json --option release_threshold=0 --option max_growth=32M)
+message("chunk_releases: default ${kept}, release_threshold=0 ${released}")
+if(NOT kept EQUAL 0)
+  message(FATAL_ERROR "default options released ${kept} chunks during the replay (want 0: kept mapped)")
+endif()
+if(NOT released EQUAL 2)
+  message(FATAL_ERROR "release_threshold=0 released ${released} chunks (want 2: both freed 24 MiB chunks)")
+endif()
+file(READ ${WORK}/threshold0.json j)
+string(JSON opts GET "${j}" 0 options)
+string(JSON detail GET "${j}" 0 detail)
+if(NOT opts MATCHES "\"release_threshold=0\"" OR NOT opts MATCHES "\"max_growth=32M\"")
+  message(FATAL_ERROR "JSON options: ${opts}")
+endif()
+if(NOT detail MATCHES "release_threshold=0 max_growth=32M")
+  message(FATAL_ERROR "JSON detail does not name the options: ${detail}")
+endif()
+if(NOT released_out MATCHES "vmmalloc options: release_threshold=0 max_growth=32M")
+  message(FATAL_ERROR "the header does not print the options:\n${released_out}")
+endif()

@@ -248,7 +248,6 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       const auto& e = strays_.entries()[k];
       if (e.mapped) take_hole(e.va, e.size);
     }
-    if (strays_.size() > strays_before && parked_error_.ok()) parked_error_ = st;
     note_peaks();
     return {0, st};
   }

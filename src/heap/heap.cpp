@@ -180,7 +180,10 @@ status heap::trim(std::size_t keep) {
   if (m.private_pool) return {};
   ++m.st.trims;
   m.poll_deferred();
-  (void)m.a.retry_strays();  // a refusal stays parked and is reported through take_parked_error
+  // What earlier calls parked was theirs to report (or went unreported inside a free); this call
+  // reports what it meets itself, the retry of that parked work included.
+  (void)m.a.take_parked_error();
+  const status retried = m.a.retry_strays();  // a refusal stays parked (retried again later)
   m.destroy_empty_slabs();  // first: they pin chunks that are otherwise free
   status r = m.a.poll_retiring(true);  // retired ranges: their streams' work first, then the VA back
   const std::uint16_t h = m.hid;
@@ -196,7 +199,7 @@ status heap::trim(std::size_t keep) {
   // A release refused during this call is reported by this call only (its handle stays parked and
   // is retried later); the first error wins.
   status parked = m.a.take_parked_error();
-  return r.ok() ? parked : r;
+  return !r.ok() ? r : !parked.ok() ? parked : retried;
 }
 
 heap_stats heap::stats() const { return p_->st; }

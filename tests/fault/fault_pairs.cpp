@@ -275,7 +275,7 @@ TEST_CASE("pair: create refused with idle pieces taken -> they go back to the id
 // the stray. A trim that does everything it is asked should report success; a refusal should be
 // reported once, by the call that met it (as "a refused release is reported once" in
 // fault_cases.cpp holds for trim's own refusals).
-TEST_CASE("trim() reports no failure that an earlier call met, once nothing is left parked" * doctest::may_fail()) {
+TEST_CASE("trim() reports no failure that an earlier call met, once nothing is left parked") {
   auto st = std::make_shared<fault_state>();
   allocator a(make_fault_host(st), small_opts());
   SUBCASE("the allocation failed and said so") {

@@ -45,7 +45,7 @@ PyTorch's fused attention).
 
 Output: a markdown table on stdout, and real_models.md + real_models.json in --out (default
 $VMM_OUT when set, else ./real-models-out). --trace DIR: the llama run under vmmalloc records its
-allocation trace (VMMALLOC_TRACE, trace format v2) into DIR/llama-vmmalloc.trace.gz, and when
+allocation trace (VMMALLOC_TRACE, trace format v2) into DIR/<model>-vmmalloc.trace.gz (--trace-model, default llama), and when
 vmm-replay is found (--replay-bin, else build*/tools/replay/) the trace is replayed on the GPU
 through vmmalloc and cudaMallocAsync so the replay's peaks can be set beside the real process's.
 
@@ -999,8 +999,8 @@ def driver(a):
                 continue
             limit = a.run_timeout if left is None else min(a.run_timeout, left)
             tpath = None
-            if trace_dir and model == "llama" and alloc == "vmmalloc":
-                tpath = os.path.join(trace_dir, "llama-vmmalloc.trace")
+            if trace_dir and model == a.trace_model and alloc == "vmmalloc":
+                tpath = os.path.join(trace_dir, "%s-vmmalloc.trace" % model)
             r = run_one(a, model, alloc, limit, logdir, tpath)
             if r.get("status") == "skipped" and r.get("exit77"):
                 skip77 = True
@@ -1038,7 +1038,7 @@ def driver(a):
     if trace_section and not str(trace_section.get("status", "")).startswith("replayed"):
         notes.append("trace: %s" % trace_section.get("status"))
     if trace_section and trace_section.get("run_status") == "ok":
-        notes.append("llama / vmmalloc recorded its trace (VMMALLOC_TRACE): its timings include the recording")
+        notes.append("%s / vmmalloc recorded its trace (VMMALLOC_TRACE): its timings include the recording" % a.trace_model)
     ok = [r for r in runs if r.get("status") == "ok"]
     first = ok[0] if ok else {}
     for r in ok:
@@ -1082,7 +1082,8 @@ def parse(argv=None):
     p.add_argument("--env", action="append", default=[], metavar="KEY=VAL",
                    help="environment of the vmmalloc runs (repeatable), e.g. VMMALLOC_RELEASE_THRESHOLD=0")
     p.add_argument("--out", default=os.environ.get("VMM_OUT") or "real-models-out")
-    p.add_argument("--trace", metavar="DIR", help="record the llama run under vmmalloc into DIR and replay it")
+    p.add_argument("--trace", metavar="DIR", help="record one model's run under vmmalloc into DIR and replay it")
+    p.add_argument("--trace-model", default="llama", help="the model whose vmmalloc run --trace records (default llama)")
     p.add_argument("--replay-bin", help="vmm-replay for --trace (default: the newest build*/tools/replay/vmm-replay)")
     p.add_argument("--budget", type=float, help="seconds for the whole suite; runs that would not fit are "
                                                 "skipped (default 420 with --full, none with --quick)")

@@ -130,6 +130,12 @@ class arena {
     return id == no_chunk ? 0 : chunks_[id].heap;
   }
   std::size_t idle_bytes() const { return idle_bytes_; }
+  // Idle bytes in handles of at most n bytes each: what a range of n bytes can be stitched from.
+  std::size_t idle_bytes_at_most(std::size_t n) const {
+    std::size_t b = 0;
+    for (auto it = idle_.begin(); it != idle_.end() && it->first <= n; ++it) b += it->first;
+    return b;
+  }
 
   // Releases idle handles until idle_bytes() <= keep; retries parked strays first. keep_retired:
   // leave handles whose retired range is still mapped (releasing them frees nothing yet).

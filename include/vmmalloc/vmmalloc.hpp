@@ -117,6 +117,7 @@ class allocator {
   bool host_accessible() const;
 
  private:
+  void* allocate_large_cached(std::size_t bytes, std::size_t alignment, stream_t s) noexcept;
   struct impl;  // src/frontend/allocator_impl.hpp: heap, arena, thread caches, trace
   friend struct allocator_access;
   std::unique_ptr<impl> p_;

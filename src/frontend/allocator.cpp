@@ -36,6 +36,10 @@ allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(st
       throw_status(t, "vmm::allocator: trace file '" + o.trace_path + "': " + std::strerror(t.code));
   }
   p_->tc_enabled = o.thread_cache && o.thread_cache_slots >= 2;
+  // A cached large block keeps its memory mapped: not where freed memory is to go back at once
+  // (a release threshold) or where every allocation owns exportable chunks.
+  p_->large_cache = p_->tc_enabled && o.thread_cache_large && !p_->ar->whole_chunks() &&
+                    o.release_threshold == std::numeric_limits<std::size_t>::max();
   p_->tc_cap = std::max<std::size_t>(o.thread_cache_slots, 2);
   for (std::size_t n = 1; p_->hp->small_class(n) >= 0; n += 256)
     p_->classes = static_cast<std::size_t>(p_->hp->small_class(n)) + 1;
@@ -129,6 +133,8 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
         if (m.trace) [[unlikely]] m.trace->event('a', e.p, bytes, s);
         return reinterpret_cast<void*>(e.p);
       }
+    } else if (m.large_cache && bytes != 0) {
+      return allocate_large_cached(bytes, alignment, s);
     }
   }
   result<std::uintptr_t> r;
@@ -139,11 +145,64 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
     r = h.allocate(bytes, alignment, s);  // reclaims and retries once inside
     if (!r.ok() && r.st.kind == errc::out_of_memory) {
       // This thread's cached slots may pin slabs the heap could give back: return them, try again.
-      if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->cached_count.get()) {
+      if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->cached_count.get() &&
+          bytes <= m.ar->reservation_size()) {
         m.flush_cache(*tl_cache, true);
         r = h.allocate(bytes, alignment, s);
       }
       if (!r.ok()) why = m.out_of_memory_detail();
+    }
+  }
+  if (!r.ok()) {
+    set_last_error(r.st, ("allocate(" + std::to_string(bytes) + ")").c_str(), why);
+    return nullptr;
+  }
+  if (m.trace) [[unlikely]] m.trace->event('a', r.value, bytes, s);
+  return reinterpret_cast<void*>(r.value);
+}
+
+// A size above the small classes through the thread cache: the block this thread freed last, if
+// it fits (no lock), else the heap (the cached block goes back first, under the same lock).
+void* allocator::allocate_large_cached(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
+  impl& m = *p_;
+  tcache& c = m.my_cache();
+  auto& L = c.large;
+  const std::size_t need = (bytes + 255) & ~std::size_t{255};
+  if (L.cached && L.r.stream == s && L.r.size >= need && L.r.size - need <= std::max<std::size_t>(256, need / 8) &&
+      need >= bytes && heap::cache_reuse(L.r, bytes)) {
+    L.cached = false;
+    L.req = bytes;
+    c.req_delta.add(bytes);
+    c.cached_bytes.add(-std::uint64_t{L.r.size});
+    c.cached_count.add(-std::uint64_t{1});
+    c.fast_allocs.add(1);
+    if (m.trace) [[unlikely]] m.trace->event('a', L.p, bytes, s);
+    return reinterpret_cast<void*>(L.p);
+  }
+  result<std::uintptr_t> r;
+  std::string why;
+  {
+    std::lock_guard g(m.mu);
+    // The cached block goes back first: the heap may need its memory for this request. Not for a
+    // request the heap refuses before looking (past the reservation): bad input changes nothing.
+    if (bytes <= m.ar->reservation_size()) m.return_large(c);
+    heap::block_ref ref;
+    if (m.captures.empty()) {  // a pool begun meanwhile: its heap decides, not the cache
+      r = m.hp->allocate_cacheable(bytes, alignment, s, ref);
+    } else {
+      r = m.heap_for(s).allocate(bytes, alignment, s);
+    }
+    if (!r.ok() && r.st.kind == errc::out_of_memory && bytes <= m.ar->reservation_size()) {
+      m.flush_cache(c, true);
+      r = m.captures.empty() ? m.hp->allocate_cacheable(bytes, alignment, s, ref) : m.heap_for(s).allocate(bytes, alignment, s);
+      if (!r.ok()) why = m.out_of_memory_detail();
+    }
+    if (r.ok() && ref.blk) {
+      L.p = r.value;
+      L.r = ref;
+      L.req = bytes;
+      L.cached = false;
+      c.req_delta.add(bytes);  // the heap left the requested bytes to this cache
     }
   }
   if (!r.ok()) {
@@ -164,6 +223,20 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
   if (!p) return {};
   impl& m = *p_;
   auto u = reinterpret_cast<std::uintptr_t>(p);
+  // The large block this thread handed out last, freed by it on its stream: the cache keeps it.
+  if (m.large_cache && tl_cache_owner == m.id) {
+    auto& L = tl_cache->large;
+    if (u == L.p && !L.cached && s == L.r.stream && heap::cache_claim(L.r)) {
+      tcache& c = *tl_cache;
+      L.cached = true;
+      c.req_delta.add(-std::uint64_t{L.req});
+      if (m.trace) [[unlikely]] m.trace->event('f', u, L.req, s);
+      c.cached_bytes.add(L.r.size);
+      c.cached_count.add(1);
+      c.fast_frees.add(1);
+      return {};
+    }
+  }
   heap::slot_ref r;
   if (m.tc_enabled && m.hp->small_slot(u, r) && r.stream == s &&
       r.state->load(std::memory_order_relaxed) == r.word(1)) {

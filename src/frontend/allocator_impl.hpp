@@ -45,6 +45,7 @@ struct allocator::impl {
   mutable std::mutex mu;
   std::uint64_t id = next_allocator_id.fetch_add(1);
   bool tc_enabled = false;
+  bool large_cache = false;  // thread caches keep one large block too (not for exportable memory)
   std::size_t tc_cap = 32;
   std::size_t classes = 0;
   // registry (under registry_mu): live caches, and the counters of caches whose thread ended
@@ -70,6 +71,7 @@ struct allocator::impl {
   tcache& my_cache() { return tl_cache_owner == id ? *tl_cache : my_cache_slow(); }
   tcache& my_cache_slow();  // first use on this thread, or another allocator's cache was last
   void flush_cache(tcache& c, bool all);  // caller holds mu
+  void return_large(tcache& c);           // caller holds mu: the cached large block back to the heap
 };
 
 }  // namespace vmm

@@ -114,6 +114,12 @@ std::string allocator::check() const {
             return "a thread-cached slot is not in state 2";
         n += b.n;
       }
+      if (c->large.cached) {
+        auto* b = c->large.r.blk;
+        (void)b;
+        ++n;
+        if (p_->hp->usable_size(c->large.p) != 0) return "a thread-cached large block is still the user's";
+      }
       if (n != c->cached_count.get()) return "thread cache count is off";
     } else {
       others = true;

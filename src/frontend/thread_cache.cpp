@@ -70,7 +70,18 @@ tcache& allocator::impl::my_cache_slow() {
   return *c;
 }
 
+void allocator::impl::return_large(tcache& c) {
+  if (!c.large.cached) return;
+  hp->cache_return(c.large.p, c.large.r);
+  c.large.cached = false;
+  c.large.p = 0;
+  c.cached_bytes.add(-std::uint64_t{c.large.r.size});
+  c.cached_count.add(-std::uint64_t{1});
+  c.flushed.add(1);
+}
+
 void allocator::impl::flush_cache(tcache& c, bool all) {
+  if (all) return_large(c);
   std::vector<std::uintptr_t> ps;
   for (auto& b : c.bins) {
     std::uint32_t keep = all ? 0 : b.n / 2;

@@ -33,6 +33,15 @@ struct tcache {
     std::uint32_t n = 0;
     std::vector<entry> e;
   };
+  // The large or huge block this thread handed out last, or holds freed (cached): a pair of any
+  // size takes no lock. At most one block: it goes back to the heap on the next request it does
+  // not fit, on trim() and at thread exit (see heap::block_ref for the protocol).
+  struct large_entry {
+    std::uintptr_t p = 0;
+    heap::block_ref r;
+    std::size_t req = 0;  // bytes the user asked for, while handed out
+    bool cached = false;
+  } large;
   allocator_impl* owner;  // null once the allocator is gone (under registry_mu)
   std::uint64_t tag = 0;   // unique per cache: the heap gives each cache its own slabs
   std::vector<bin> bins;

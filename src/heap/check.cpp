@@ -58,7 +58,7 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
           for (auto& d : m.deferred_frees) deferred |= d.p == b->addr;
           if (!deferred) {
             allocated += b->size;
-            requested += b->requested;
+            requested += b->requested();
             ++live;
           }
         }
@@ -84,7 +84,7 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
         for (auto& d : m.deferred_frees) deferred |= d.p == b->addr;
         if (deferred) continue;  // freed, waiting for a fence: no longer counted as live
         allocated += b->size;
-        requested += b->requested;
+        requested += b->requested();
         ++live;
       }
     }

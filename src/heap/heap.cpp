@@ -103,14 +103,21 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
   if (b->flags & impl::f_free) return fail(errc::invalid_pointer, "double free (block is not allocated)");
   for (auto& d : m.deferred_frees)
     if (d.p == p) return fail(errc::invalid_pointer, "double free (free already pending)");
+  // A block a thread cache handed out: claim it from the cache protocol first (a racing fast-path
+  // free of the same pointer, a caller's bug, then loses cleanly).
+  if (std::uint64_t w = b->tword.load(std::memory_order_acquire); (w & 0xff) != 0) {
+    if ((w & 0xff) == 2) return fail(errc::invalid_pointer, "double free (block is already freed into a thread cache)");
+    if (!b->tword.compare_exchange_strong(w, w & ~std::uint64_t{0xff}, std::memory_order_acq_rel))
+      return fail(errc::invalid_pointer, "double free (freed concurrently by another thread)");
+  }
   if (auto it = m.extra_streams.find(p); it != m.extra_streams.end()) {
     std::vector<fence_t> fences;  // refused: the block stays allocated, record_stream state intact
     std::vector<stream_t> later;
     if (status r = m.record_fences(it->second, fences, later); !r.ok()) return r;
     m.extra_streams.erase(it);
-    m.note_free(b->requested, b->size);
+    m.note_free(b->requested(), b->size);
     if (!fences.empty() || !later.empty()) {
-      b->requested = 0;
+      b->set_requested(0);
       m.deferred_frees.push_back({p, s, std::move(fences), std::move(later)});
       ++m.st.deferred;
       return {};
@@ -119,7 +126,7 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     m.maybe_release();
     return {};
   }
-  m.note_free(b->requested, b->size);
+  m.note_free(b->requested(), b->size);
   if (b->flags & impl::f_huge) m.free_huge(b, s); else m.free_large(b, s);
   m.maybe_release();
   return {};
@@ -138,6 +145,7 @@ std::size_t heap::usable_size(std::uintptr_t p) const {
   }
   impl::block* b = m.block_at(p);
   if (!b || (b->flags & (impl::f_free | impl::f_slab | impl::f_sentinel))) return 0;
+  if ((b->tword.load(std::memory_order_acquire) & 0xff) == 2) return 0;  // freed into a thread cache
   for (auto& d : m.deferred_frees)
     if (d.p == p) return 0;
   return b->size;
@@ -148,7 +156,7 @@ std::size_t heap::requested_size(std::uintptr_t p) const {
   if (!usable_size(p)) return 0;
   if (impl::slab* sl = m.slab_at(m.a.page_of(p)))
     return sl->requested(static_cast<std::uint32_t>((p - sl->base) / sl->slot));
-  return m.block_at(p)->requested;
+  return m.block_at(p)->requested();
 }
 
 bool heap::impl::reclaim() {
@@ -200,6 +208,46 @@ status heap::trim(std::size_t keep) {
   // is retried later); the first error wins.
   status parked = m.a.take_parked_error();
   return !r.ok() ? r : !parked.ok() ? parked : retried;
+}
+
+result<std::uintptr_t> heap::allocate_cacheable(std::size_t n, std::size_t align, stream_t s, block_ref& ref) {
+  auto r = allocate(n, align, s);
+  if (!r.ok()) return r;
+  impl::block* b = p_->block_at(r.value);
+  if (!b) return r;  // a slot (small size): not cacheable here; ref stays empty
+  ref.blk = b;
+  // A new generation for every hand-out: a block freed and handed out again in the same struct
+  // must not match a reference another thread's cache kept from before.
+  ref.gen = ((b->tword.load(std::memory_order_relaxed) >> 8) + 1) << 8;
+  ref.size = b->size;
+  ref.stream = s;
+  b->tword.store(ref.gen | 1, std::memory_order_release);  // the user's, through a thread cache
+  // Its requested bytes are the thread cache's to count (as for the slots caches hand out): the
+  // block keeps n, so a free on another thread's locked path subtracts it (mod 2^64, as there).
+  p_->st.requested -= n;
+  return r;
+}
+
+bool heap::cache_claim(const block_ref& r) {
+  auto* b = static_cast<impl::block*>(r.blk);
+  std::uint64_t e = r.gen | 1;
+  if (!b->tword.compare_exchange_strong(e, r.gen | 2, std::memory_order_acq_rel)) return false;
+  b->set_requested(0);
+  return true;
+}
+
+bool heap::cache_reuse(const block_ref& r, std::size_t n) {
+  auto* b = static_cast<impl::block*>(r.blk);
+  b->set_requested(n);  // before the state: a locked free that sees state 1 reads n
+  std::uint64_t e = r.gen | 2;
+  return b->tword.compare_exchange_strong(e, r.gen | 1, std::memory_order_acq_rel);
+}
+
+void heap::cache_return(std::uintptr_t p, const block_ref& r) {
+  auto* b = static_cast<impl::block*>(r.blk);
+  std::uint64_t e = r.gen | 2;
+  if (!b->tword.compare_exchange_strong(e, r.gen, std::memory_order_acq_rel)) return;  // not cached
+  (void)deallocate(p, r.stream);
 }
 
 heap_stats heap::stats() const { return p_->st; }

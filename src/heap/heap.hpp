@@ -114,6 +114,27 @@ class heap {
   void set_cache_tag(std::uint64_t tag, bool alive);
   void flush(const std::uintptr_t* p, std::size_t n);
 
+  // ---- thread-cache support for large and huge blocks ----
+  // A thread cache keeps the block it handed out last: freed by that thread, the block stays the
+  // cache's (no lock), and the thread's next request of the same size takes it back (no lock).
+  // Pairs of any size then scale with threads. The block word (see heap_impl.hpp) arbitrates
+  // with frees on other threads and with double frees.
+  struct block_ref {
+    void* blk = nullptr;      // opaque: the block's metadata (type-stable)
+    std::uint64_t gen = 0;    // its generation << 8
+    std::size_t size = 0;     // usable bytes
+    stream_t stream = nullptr;
+  };
+  // Under the lock: allocate() for a block a thread cache may take without the lock later. Its
+  // requested bytes are left to the cache's counters.
+  result<std::uintptr_t> allocate_cacheable(std::size_t n, std::size_t align, stream_t s, block_ref& ref);
+  // Lock-free, by the cache's thread: the user's block becomes the cache's (requested 0), or the
+  // cache's the user's again (requested n). false: something changed it first (then lock).
+  static bool cache_claim(const block_ref& r);
+  static bool cache_reuse(const block_ref& r, std::size_t n);
+  // Under the lock: a cached block goes back to the heap (freed on its stream).
+  void cache_return(std::uintptr_t p, const block_ref& r);
+
 
  private:
   result<std::uintptr_t> allocate_once(std::size_t n, std::size_t align, stream_t s);

@@ -47,10 +47,29 @@ struct heap::impl {
     block* next_free = nullptr;
     block* page_prev = nullptr;  // chain of blocks starting in the same page (O(1) free lookup)
     block* page_next = nullptr;
-    std::size_t requested = 0;   // bytes asked for (live blocks)
     stream_t stream = nullptr;   // live: allocating stream; free + f_tagged: freeing stream
     std::uint64_t free_seq = 0;  // value of seq when freed
     std::uint8_t flags = 0;
+    // Read and written without the lock by a thread cache holding the block (large sizes): bytes
+    // asked for (live blocks), and the cache protocol word: gen << 8 | state, state 0 = the heap's,
+    // 1 = handed out on a thread-cache path (the user's), 2 = cached in a thread cache. gen
+    // changes whenever the struct is reused for another block, so a cache's stale reference fails
+    // its compare-exchange. Block structs are never freed while the heap lives (type-stable).
+    std::atomic<std::size_t> req{0};
+    std::atomic<std::uint64_t> tword{0};
+
+    std::size_t requested() const { return req.load(std::memory_order_relaxed); }
+    void set_requested(std::size_t n) { req.store(n, std::memory_order_relaxed); }
+    void clear() {  // a fresh block in a reused struct: a new generation, state 0
+      addr = 0;
+      size = 0;
+      prev_phys = next_phys = prev_free = next_free = page_prev = page_next = nullptr;
+      stream = nullptr;
+      free_seq = 0;
+      flags = 0;
+      req.store(0, std::memory_order_relaxed);
+      tword.store(((tword.load(std::memory_order_relaxed) >> 8) + 1) << 8, std::memory_order_relaxed);
+    }
   };
 
   // Per-slot arrays written on the thread-cache hot path: each starts on its own cache line and
@@ -299,7 +318,7 @@ inline heap::impl::block* heap::impl::new_block() {
   }
   block* b = pool_free.back();
   pool_free.pop_back();
-  *b = block{};
+  b->clear();
   return b;
 }
 

@@ -52,7 +52,7 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
     if (!usable(b, x)) continue;
     huge_cache.erase(it);
     b->flags = f_huge;
-    b->requested = n;
+    b->set_requested(n);
     b->stream = x;
     account(b->addr, b->size, true);
     return {b, {}};
@@ -72,7 +72,7 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
   b->addr = r.value;
   b->size = size;
   b->flags = f_huge;
-  b->requested = n;
+  b->set_requested(n);
   b->stream = x;
   link_page(b);
   account(b->addr, b->size, true);
@@ -85,7 +85,7 @@ void heap::impl::free_huge(block* b, stream_t s) {
   b->flags = f_huge | f_free | f_tagged;
   b->stream = s;
   b->free_seq = ++seq;
-  b->requested = 0;
+  b->set_requested(0);
   huge_cache.emplace(b->size, b);
   if (exported) {
     // An importer may still map these chunks: they must never hold another allocation. Unmap
@@ -111,7 +111,7 @@ status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, st
     ids.push_back(id);
     va += m.a.get(id).size;
   }
-  bytes = b->requested;
+  bytes = b->requested();
   b->flags |= impl::f_exported;
   return {};
 }

@@ -27,7 +27,7 @@ result<heap::impl::block*> heap::impl::allocate_large(std::size_t n, std::size_t
   }
   if (b->size - size >= kUnit) insert_free(split(b, b->addr + size));
   b->flags = 0;
-  b->requested = n;
+  b->set_requested(n);
   b->stream = x;
   account(b->addr, b->size, true);
   return {b, {}};
@@ -38,7 +38,7 @@ void heap::impl::free_large(block* b, stream_t s) {
   b->flags = f_free | f_tagged;
   b->stream = s;
   b->free_seq = ++seq;
-  b->requested = 0;
+  b->set_requested(0);
   if (b->prev_phys && compatible(b->prev_phys, b)) {
     block* l = b->prev_phys;
     remove_free(l);

@@ -89,6 +89,7 @@ options small_opts() {
   options o;
   o.reservation_size = std::size_t{1} << 30;
   o.huge_threshold = 4 * MiB;
+  o.thread_cache_large = false;  // frees go straight back: the cases lay out free chunks exactly
   return o;
 }
 

@@ -7,6 +7,8 @@
  *
  * Python: vmmalloc.torch (python/vmmalloc/torch.py: enable(), stats(), trim(), reset_peaks(), check()),
  *         vmmalloc.cupy (enable()); tools/python/ keeps shims under the old module names.
+ * PyTorch's CUDA-graph and record_stream hooks are C++ only: src/integrations/torch_ext/ builds
+ * them (against an installed PyTorch) over the graph-pool functions below.
  *
  * Environment, read when a device's allocator is created (first allocation on that device): every
  * option with a variable in README.md's options table (VMMALLOC_MEMORY_LIMIT=8G, ...; the table is

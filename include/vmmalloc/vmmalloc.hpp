@@ -96,6 +96,22 @@ class allocator {
   // The pool's free memory goes back now, the rest as its blocks are freed. Throws vmm::error for
   // an unknown pool or one still begun.
   void release_pool(pool_id id);
+  // A pool's state, for integrations that answer questions about it (PyTorch's
+  // checkPoolLiveAllocations): false when no such pool is alive (never begun, or dropped after
+  // its release once its last block went).
+  struct pool_info {
+    std::uint64_t live = 0;      // live blocks
+    std::size_t allocated = 0;   // their bytes (rounded)
+    std::size_t held = 0;        // mapped bytes the pool owns
+    int begun = 0;               // captures allocating to it now
+    bool released = false;
+  };
+  bool pool_stats(pool_id id, pool_info& out) const;
+  // Whether p is the start of a live block of a graph pool; `id` gets the pool. Takes the lock.
+  bool pool_of(const void* p, pool_id& id) const;
+  // Whether p lies in this allocator's reserved address range, where every block it hands out
+  // lies (so: which of several allocators a pointer may belong to). No lock, no driver call.
+  bool owns(const void* p) const noexcept;
 
   // Releases empty slabs, free chunks and idle physical memory down to `keep` bytes kept.
   void trim(std::size_t keep = 0);

@@ -2,7 +2,8 @@
 ctypes, and turning a failed status into a Python exception carrying the C++ message.
 
 Search order for each library (first hit wins):
-  1. an explicit path (an argument, or $VMMALLOC_TORCH_LIB for the torch library),
+  1. an explicit path (an argument, or $VMMALLOC_TORCH_LIB / $VMMALLOC_TORCH_EXT_LIB for the
+     torch library / the PyTorch extension),
   2. _paths.LIB_DIRS, relative to this package's folder (set in an installed package),
   3. $VMMALLOC_LIB_DIR (one folder, or several joined by os.pathsep),
   4. the repository's build folders, newest first (build*/src/, build*/src/integrations/).
@@ -68,7 +69,10 @@ def error_for(status, message):
 _NAMES = {
     "vmmalloc": (("libvmmalloc.so", "libvmmalloc.so.0"), "src"),
     "torch": (("libvmmalloc_torch.so",), os.path.join("src", "integrations")),
+    # Optional, built only where PyTorch is found (src/integrations/torch_ext/).
+    "torch_ext": (("libvmmalloc_torch_ext.so",), os.path.join("src", "integrations", "torch_ext")),
 }
+_ENV = {"torch": "VMMALLOC_TORCH_LIB", "torch_ext": "VMMALLOC_TORCH_EXT_LIB"}
 
 
 def search_dirs():
@@ -80,15 +84,15 @@ def search_dirs():
 
 
 def find_library(which="vmmalloc", path=None):
-    """The path of libvmmalloc.so (which="vmmalloc") or libvmmalloc_torch.so (which="torch").
-    FileNotFoundError lists every place looked at."""
+    """The path of libvmmalloc.so (which="vmmalloc"), libvmmalloc_torch.so (which="torch") or
+    libvmmalloc_torch_ext.so (which="torch_ext"). FileNotFoundError lists every place looked at."""
     names, sub = _NAMES[which]
     cands = []
     if path:
         cands.append(path)
     else:
-        if which == "torch" and os.environ.get("VMMALLOC_TORCH_LIB"):
-            cands.append(os.environ["VMMALLOC_TORCH_LIB"])
+        if which in _ENV and os.environ.get(_ENV[which]):
+            cands.append(os.environ[_ENV[which]])
         for d in search_dirs():
             cands += [os.path.join(d, n) for n in names]
         for n in names:

@@ -14,8 +14,21 @@ VMMALLOC_TRACE, ...: see src/integrations/vmmalloc_torch.h), read when a device'
 VMMALLOC_TRACE=run.trace records every allocation and free (trace format v2, docs/trace-format.md:
 stream, thread and time per event) for vmm-replay and vmm-plot; flush_trace() writes it mid-run.
 
-Only enable() needs torch; stats(), trim(), reset_peaks(), check() and the loader work without it
-(vmmalloc.cupy uses them). An allocation that fails raises RuntimeError in PyTorch (its pluggable
+enable() installs vmmalloc through the extension libvmmalloc_torch_ext.so when it was built (CMake
+builds it where PyTorch with CUDA is found; $VMMALLOC_TORCH_EXT_LIB names it): CUDA graphs
+(torch.cuda.graph, make_graphed_callables, torch.compile(mode="reduce-overhead")) then get graph
+pools of their own, torch.cuda.use_mem_pool works, and Tensor.record_stream delays reuse. Without
+it, enable() warns once and installs the plain pluggable allocator: a graph's memory is not kept for
+its replays, record_stream does nothing. mode() says which is active.
+
+MemPool mode keeps PyTorch's allocator for the process and serves one region from vmmalloc:
+
+    pool = vt.mem_pool()                 # torch.cuda.MemPool over vmmalloc (no enable())
+    with torch.cuda.use_mem_pool(pool):
+        y = model(x)                     # these tensors' memory comes from vmmalloc
+
+Only enable() and the MemPool helpers need torch; stats(), trim(), reset_peaks(), check() and the
+loader work without it (vmmalloc.cupy uses them). An allocation that fails raises RuntimeError in PyTorch (its pluggable
 allocator does not map it to torch.cuda.OutOfMemoryError); last_error() holds the message too.
 The old module name, tools/python/vmmalloc_torch.py, is a shim that imports this one.
 """
@@ -25,12 +38,24 @@ import os
 
 from ._lib import find_library as _find
 
-__all__ = ["enable", "enabled", "find_library", "load", "stats", "trim", "reset_peaks", "check",
-           "flush_trace", "config", "last_error", "library_path"]
+__all__ = ["enable", "enabled", "mode", "extension_info", "find_library", "find_extension", "load",
+           "stats", "trim", "reset_peaks", "check", "flush_trace", "config", "last_error",
+           "library_path", "pluggable_allocator", "mem_pool", "pool_of", "extension_pool_count"]
 
 _lib = None
 _lib_path = None
-_torch_allocator = None  # keeps the CUDAPluggableAllocator alive
+_torch_allocator = None  # keeps the CUDAPluggableAllocator alive (plain mode)
+_mode = None             # "extension" or "pluggable" once enable() succeeded
+_ext = None              # ctypes handle of libvmmalloc_torch_ext.so (extension mode)
+_ext_path = None
+_pluggable = None        # the CUDAPluggableAllocator of MemPool mode
+
+# The one-line warning of enable() without the extension: what does not work.
+NO_EXTENSION_WARNING = (
+    "vmmalloc.torch: libvmmalloc_torch_ext.so not found (%s): using the plain pluggable allocator, "
+    "so CUDA graphs (torch.cuda.graph, torch.compile(mode=\"reduce-overhead\")) get no private pool "
+    "(memory a capture frees goes to general use while replays still write it) and "
+    "Tensor.record_stream is a no-op")
 
 
 def find_library(lib_path=None):
@@ -54,6 +79,14 @@ def _bind(lib):
         "vmm_torch_flush_trace": (c.c_int, []),
         "vmm_torch_config": (c.c_char_p, [c.c_int]),
         "vmm_torch_last_error": (c.c_char_p, []),
+        "vmm_torch_begin_pool": (c.c_int, [c.c_int, c.c_uint64, c.c_void_p, c.c_void_p]),
+        "vmm_torch_end_pool": (c.c_int, [c.c_int, c.c_uint64]),
+        "vmm_torch_release_pool": (c.c_int, [c.c_int, c.c_uint64]),
+        "vmm_torch_record_stream": (c.c_int, [c.c_void_p, c.c_void_p]),
+        "vmm_torch_device_of": (c.c_int, [c.c_void_p]),
+        "vmm_torch_pool_of": (c.c_int, [c.c_void_p, c.POINTER(c.c_uint64)]),
+        "vmm_torch_pool_stats": (c.c_int, [c.c_int, c.c_uint64, c.POINTER(c.c_uint64),
+                                           c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]),
     }
     for name, (res, args) in sig.items():
         f = getattr(lib, name)
@@ -85,35 +118,141 @@ def last_error():
     return load().vmm_torch_last_error().decode("utf-8", "replace")
 
 
-def enable(lib_path=None, init_device=0):
+def find_extension(ext_path=None):
+    """The path of libvmmalloc_torch_ext.so; FileNotFoundError listing where it looked."""
+    return _find("torch_ext", ext_path)
+
+
+def _load_extension(path):
+    lib = ctypes.CDLL(path)  # after `import torch`: its libtorch_cuda is the one already loaded
+    c = ctypes
+    for name, res, args in (("vmm_torch_ext_install", c.c_int, [c.c_char_p]),
+                            ("vmm_torch_ext_installed", c.c_int, []),
+                            ("vmm_torch_ext_features", c.c_int, []),
+                            ("vmm_torch_ext_pool_count", c.c_int, []),
+                            ("vmm_torch_ext_pool_id", c.c_uint64, [c.c_int, c.c_uint64, c.c_uint64]),
+                            ("vmm_torch_ext_torch_version", c.c_char_p, []),
+                            ("vmm_torch_ext_last_error", c.c_char_p, [])):
+        f = getattr(lib, name)
+        f.restype = res
+        f.argtypes = args
+    return lib
+
+
+def enable(lib_path=None, init_device=0, extension=None):
     """Makes vmmalloc PyTorch's CUDA allocator. Must run before the process's first CUDA
     allocation (PyTorch cannot swap an allocator in use). init_device: the device whose allocator
     is created now, so that a bad option or a device without VMM support fails here, with the
     reason, rather than at the first tensor (None: create every allocator on first use).
-    Returns the library path."""
-    global _torch_allocator
+    extension: None = through libvmmalloc_torch_ext.so when found (else warn and use the plain
+    pluggable allocator), True = the extension or an error, False = the plain pluggable allocator,
+    or a path to the extension. Returns the library path; mode() says which way it went."""
+    global _torch_allocator, _mode, _ext, _ext_path
     import torch
 
-    if _torch_allocator is not None:
+    if _mode is not None:
         return _lib_path
     if not torch.cuda.is_available():  # counts devices only: does not initialize the allocator
         raise RuntimeError("vmmalloc.torch.enable(): PyTorch sees no CUDA device")
     lib = load(lib_path)
     if init_device is not None and lib.vmm_torch_init(int(init_device)) != 0:
         raise RuntimeError("vmmalloc.torch.enable(): " + last_error())
+
+    ext_path, why = None, ""
+    if extension is not False:
+        try:
+            ext_path = find_extension(extension if isinstance(extension, str) else None)
+        except FileNotFoundError as e:
+            if extension is not None:
+                raise RuntimeError("vmmalloc.torch.enable(): %s" % e) from e
+            why = "build it where PyTorch is installed, or set VMMALLOC_TORCH_EXT_LIB"
+    if ext_path:
+        try:
+            ext = _load_extension(ext_path)
+        except OSError as e:  # built against another PyTorch: undefined symbols
+            if extension is not None:
+                raise RuntimeError("vmmalloc.torch.enable(): cannot load %s: %s" % (ext_path, e)) from e
+            ext, why = None, "%s does not load: %s" % (ext_path, e)
+        if ext is not None:
+            if ext.vmm_torch_ext_install(_lib_path.encode()) != 0:
+                msg = ext.vmm_torch_ext_last_error().decode("utf-8", "replace")
+                hint = (" (enable() must run before the first CUDA allocation of the process)"
+                        if "already initialized" in msg else "")
+                raise RuntimeError("vmmalloc.torch.enable(): %s%s" % (msg, hint))
+            _ext, _ext_path, _mode = ext, ext_path, "extension"
+            return _lib_path
+
+    if extension is None:
+        import warnings
+
+        warnings.warn(NO_EXTENSION_WARNING % why, RuntimeWarning, stacklevel=2)
     alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, "vmm_torch_malloc", "vmm_torch_free")
     try:
         torch.cuda.memory.change_current_allocator(alloc)
     except RuntimeError as e:
         raise RuntimeError("vmmalloc.torch.enable() must run before the first CUDA allocation of "
                            "the process: %s" % e) from e
-    _torch_allocator = alloc
+    _torch_allocator, _mode = alloc, "pluggable"
     return _lib_path
 
 
 def enabled():
     """Whether enable() made vmmalloc PyTorch's allocator in this process."""
-    return _torch_allocator is not None
+    return _mode is not None
+
+
+def mode():
+    """How enable() installed vmmalloc: "extension" (graph pools, MemPool and record_stream hooks
+    set), "pluggable" (the plain CUDAPluggableAllocator, no hooks), or None (not enabled)."""
+    return _mode
+
+
+def extension_info():
+    """In extension mode: {"path", "torch_version" (built against), "mempool" (torch.cuda.MemPool
+    objects work), "pools" (PyTorch pools mapped to vmmalloc pools now)}; else None."""
+    if _ext is None:
+        return None
+    return {"path": _ext_path,
+            "torch_version": _ext.vmm_torch_ext_torch_version().decode(),
+            "mempool": bool(_ext.vmm_torch_ext_features() & 2),
+            "pools": int(_ext.vmm_torch_ext_pool_count())}
+
+
+def extension_pool_count():
+    """PyTorch pools the extension maps to vmmalloc pools now (None outside extension mode)."""
+    return None if _ext is None else int(_ext.vmm_torch_ext_pool_count())
+
+
+def pool_of(ptr):
+    """The vmmalloc graph pool holding the block that starts at ptr (an int, or a tensor's
+    data_ptr()), or None when the block is in no pool or not vmmalloc's."""
+    if hasattr(ptr, "data_ptr"):
+        ptr = ptr.data_ptr()
+    out = ctypes.c_uint64(0)
+    return int(out.value) if load().vmm_torch_pool_of(ptr, ctypes.byref(out)) == 1 else None
+
+
+def pluggable_allocator():
+    """A torch.cuda.memory.CUDAPluggableAllocator over vmmalloc (one per process), for MemPool
+    mode: PyTorch's own allocator stays the process's, and a torch.cuda.MemPool built on this one
+    takes its segments from vmmalloc. Not for change_current_allocator (use enable())."""
+    global _pluggable
+    import torch
+
+    if _pluggable is None:
+        load()
+        _pluggable = torch.cuda.memory.CUDAPluggableAllocator(_lib_path, "vmm_torch_malloc", "vmm_torch_free")
+    return _pluggable
+
+
+def mem_pool(**kwargs):
+    """torch.cuda.MemPool(pluggable_allocator().allocator(), **kwargs): inside
+    `with torch.cuda.use_mem_pool(pool):` this thread's CUDA tensors come from vmmalloc, CUDA
+    graphs captured there included, while PyTorch's allocator serves the rest of the program.
+    PyTorch's allocator keeps the pool's segments cached until the pool is deleted."""
+    import torch
+
+    return torch.cuda.MemPool(pluggable_allocator().allocator(), **kwargs)
 
 
 def stats(device=0):

@@ -101,4 +101,38 @@ void allocator::release_pool(pool_id id) {
   m.drop_pool(id, it->second);
 }
 
+bool allocator::pool_stats(pool_id id, pool_info& out) const {
+  const impl& m = *p_;
+  std::lock_guard g(m.mu);
+  auto it = m.pools.find(id);
+  if (it == m.pools.end()) return false;
+  const heap_stats h = it->second.hp->stats();
+  out.live = h.live;
+  out.allocated = h.allocated;
+  out.held = m.ar->mapped_bytes(it->second.hp->id());
+  out.begun = it->second.begun;
+  out.released = it->second.released;
+  return true;
+}
+
+bool allocator::pool_of(const void* p, pool_id& id) const {
+  impl& m = *p_;
+  std::lock_guard g(m.mu);
+  const auto u = reinterpret_cast<std::uintptr_t>(p);
+  if (!m.ar->contains(u)) return false;
+  const std::uint16_t hid = m.ar->heap_at(u);
+  if (hid == 0) return false;  // the own heap's chunk, or none
+  for (const auto& [pid, gp] : m.pools)
+    if (gp.hp->id() == hid) {
+      if (gp.hp->usable_size(u) == 0) return false;  // interior, free, or waiting on a fence
+      id = pid;
+      return true;
+    }
+  return false;
+}
+
+bool allocator::owns(const void* p) const noexcept {
+  return p_ && p_->ar && p_->ar->contains(reinterpret_cast<std::uintptr_t>(p));
+}
+
 }  // namespace vmm

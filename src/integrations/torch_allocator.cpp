@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <string>
@@ -260,7 +261,7 @@ int for_devices(int d, const char* what, F f) noexcept try {
   X(requested) X(allocated) X(mapped) X(physical) X(reserved) X(peak_requested)                \
   X(peak_allocated) X(peak_mapped) X(peak_physical) X(chunks) X(idle) X(free_chunk_bytes)      \
   X(slab_bytes) X(allocs) X(frees) X(live) X(deferred) X(grows) X(chunk_releases) X(trims)     \
-  X(stitched) X(compression_fallbacks) X(traced_events)
+  X(stitched) X(compression_fallbacks) X(traced_events) X(pools) X(pool_allocated) X(pool_held)
 
 #define VMM_TORCH_NAME(f) #f ","
 constexpr char kStatNames[] = VMM_TORCH_STATS(VMM_TORCH_NAME)
@@ -400,6 +401,81 @@ int vmm_torch_check(int device) try {
 
 int vmm_torch_flush_trace(void) {
   return for_devices(-1, "flush_trace", [](vmm::allocator& a) { a.flush_trace(); });
+}
+
+int vmm_torch_begin_pool(int device, uint64_t pool, vmm_torch_stream_filter filter, void* user) try {
+  vmm::allocator* a = get(device);  // a capture may begin before the device's first allocation
+  if (!a) return -1;
+  std::function<bool(vmm::stream_t)> f;
+  if (filter) f = [filter, user](vmm::stream_t s) { return filter(s, user) != 0; };
+  try {
+    a->begin_pool(pool, std::move(f));
+  } catch (const std::exception& e) {
+    set_error(std::string("vmmalloc_torch: begin_pool on device ") + std::to_string(device) + ": " + e.what());
+    return -1;
+  }
+  return 0;
+} catch (...) {
+  return -1;
+}
+
+int vmm_torch_end_pool(int device, uint64_t pool) {
+  return for_devices(device < 0 ? kMaxDevices : device, "end_pool", [pool](vmm::allocator& a) { a.end_pool(pool); });
+}
+
+int vmm_torch_release_pool(int device, uint64_t pool) {
+  return for_devices(device < 0 ? kMaxDevices : device, "release_pool",
+                     [pool](vmm::allocator& a) { a.release_pool(pool); });
+}
+
+int vmm_torch_device_of(const void* ptr) {
+  if (!ptr) return -1;
+  for (int d = 0; d < kMaxDevices; ++d)
+    if (vmm::allocator* a = existing(d); a && a->owns(ptr)) return d;
+  return -1;
+}
+
+int vmm_torch_record_stream(void* ptr, void* stream) try {
+  const int d = vmm_torch_device_of(ptr);
+  if (d < 0) {
+    set_error("vmmalloc_torch: record_stream: pointer not from vmmalloc");
+    return -1;
+  }
+  try {
+    slots[d].a->record_stream(ptr, stream);
+  } catch (const std::exception& e) {
+    set_error("vmmalloc_torch: record_stream on device " + std::to_string(d) + ": " + e.what());
+    return -1;
+  }
+  return 0;
+} catch (...) {
+  return -1;
+}
+
+int vmm_torch_pool_of(const void* ptr, uint64_t* pool) try {
+  const int d = vmm_torch_device_of(ptr);
+  vmm::allocator::pool_id id = 0;
+  if (d < 0 || !slots[d].a->pool_of(ptr, id)) return 0;
+  if (pool) *pool = id;
+  return 1;
+} catch (...) {  // std::system_error from the lock
+  return -1;
+}
+
+int vmm_torch_pool_stats(int device, uint64_t pool, uint64_t* live, uint64_t* allocated, uint64_t* held) try {
+  if (device < 0 || device >= kMaxDevices) {
+    set_error("vmmalloc_torch: pool_stats: device " + std::to_string(device) + " out of range");
+    return -1;
+  }
+  vmm::allocator* a = existing(device);
+  vmm::allocator::pool_info pi;
+  if (!a || !a->pool_stats(pool, pi)) return 0;
+  if (live) *live = pi.live;
+  if (allocated) *allocated = pi.allocated;
+  if (held) *held = pi.held;
+  return 1;
+} catch (...) {
+  return -1;
 }
 
 const char* vmm_torch_config(int device) {

@@ -7,6 +7,8 @@
  *
  * Python: vmmalloc.torch (python/vmmalloc/torch.py: enable(), stats(), trim(), reset_peaks(), check()),
  *         vmmalloc.cupy (enable()); tools/python/ keeps shims under the old module names.
+ * PyTorch's CUDA-graph and record_stream hooks are C++ only: src/integrations/torch_ext/ builds
+ * them (against an installed PyTorch) over the graph-pool functions below.
  *
  * Environment, read when a device's allocator is created (first allocation on that device): every
  * option with a variable in README.md's options table (VMMALLOC_MEMORY_LIMIT=8G, ...; the table is
@@ -52,7 +54,8 @@ int vmm_torch_init(int device);
 /* 1 when `device` has an allocator, 0 when not (yet). */
 int vmm_torch_initialized(int device);
 
-/* Stats of `device` as uint64 values in the order of vmm_torch_stat_names() (comma separated).
+/* Stats of `device` as uint64 values in the order of vmm_torch_stat_names() (comma separated);
+ * pools, pool_allocated and pool_held are the graph pools' (alive, live bytes, mapped bytes).
  * Writes min(n, count) values; returns count, 0 when the device has no allocator yet, -1 on a
  * bad argument. */
 int vmm_torch_stats(int device, uint64_t* out, int n);
@@ -66,6 +69,34 @@ int vmm_torch_check(int device);
 
 /* Writes buffered trace events (VMMALLOC_TRACE) of every device now. 0, or -1 + last error. */
 int vmm_torch_flush_trace(void);
+
+/* ---- graph pools and record_stream (CUDA graphs: PyTorch's private pools) -------------------
+ * What PyTorch's beginAllocateToPool / endAllocateToPool / releasePool / recordStream do, on
+ * vmm::allocator::begin_pool / end_pool / release_pool / record_stream of `device`'s allocator
+ * (include/vmmalloc/vmmalloc.hpp says what a pool keeps). A pool is a uint64 here: the caller
+ * maps PyTorch's (uint64, uint64) MempoolId_t to one (src/integrations/torch_ext/ does). Each
+ * returns 0, or -1 with vmm_torch_last_error() saying why; none throws.
+ *
+ * filter(stream, user) != 0 accepts an allocation on `stream` into the pool (NULL: every stream).
+ * It runs with the allocator's lock held, on the allocating thread, until end_pool returns: it
+ * must not call back into this library, and it must not throw. */
+typedef int (*vmm_torch_stream_filter)(void* stream, void* user);
+/* Creates the device's allocator when it has none yet. */
+int vmm_torch_begin_pool(int device, uint64_t pool, vmm_torch_stream_filter filter, void* user);
+int vmm_torch_end_pool(int device, uint64_t pool);     /* -1: not begun */
+/* The pool's free memory goes back now, the rest as its blocks are freed. -1: unknown, or begun. */
+int vmm_torch_release_pool(int device, uint64_t pool);
+/* ptr is also used on stream: its memory is reused only after stream's work up to the free. The
+ * device is found from the pointer. -1: no allocator owns ptr, or it is not a live block. */
+int vmm_torch_record_stream(void* ptr, void* stream);
+/* The device whose allocator's reservation holds ptr, or -1. No lock, no driver call. */
+int vmm_torch_device_of(const void* ptr);
+/* 1 and *pool set when ptr starts a live block of a graph pool, 0 when not (or no allocator owns
+ * ptr). */
+int vmm_torch_pool_of(const void* ptr, uint64_t* pool);
+/* A pool's live blocks, their bytes and the mapped bytes it holds. 1 when the pool is alive, 0
+ * when not (never begun, or dropped after its release), -1 on a bad device. */
+int vmm_torch_pool_stats(int device, uint64_t pool, uint64_t* live, uint64_t* allocated, uint64_t* held);
 
 /* The options in effect for `device` ("" when it has no allocator), for logs. Valid until the next
  * call of this function on the same thread. */

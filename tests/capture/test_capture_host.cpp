@@ -229,3 +229,41 @@ TEST_CASE("graph pools through the C API") {
   CHECK(vmm_check(a) == VMM_SUCCESS);
   vmm_destroy(a);
 }
+
+TEST_CASE("graph pools: pool_stats, pool_of and owns say where a block lives") {
+  auto [hb, a] = make_host_alloc(opts());
+  allocator::pool_info pi;
+  allocator::pool_id id = 0;
+  CHECK_FALSE(a.pool_stats(4, pi));                  // never begun
+  void* outside = a.allocate(3 * MiB, 0, S(2));
+  a.begin_pool(4, [](stream_t s) { return s == S(1); });
+  void* small = a.allocate(100, 0, S(1));
+  void* big = a.allocate(5 * MiB, 0, S(1));
+  REQUIRE(a.pool_stats(4, pi));
+  CHECK(pi.live == 2);
+  CHECK(pi.allocated >= 5 * MiB + 100);
+  CHECK(pi.held >= 5 * MiB);
+  CHECK(pi.begun == 1);
+  CHECK_FALSE(pi.released);
+  CHECK(a.pool_of(big, id));
+  CHECK(id == 4);
+  CHECK(a.pool_of(small, id));
+  CHECK_FALSE(a.pool_of(static_cast<char*>(big) + 256, id));  // interior
+  CHECK_FALSE(a.pool_of(outside, id));                         // the own heap's block
+  CHECK(a.owns(outside));
+  CHECK(a.owns(big));
+  int local = 0;
+  CHECK_FALSE(a.owns(&local));
+  CHECK_FALSE(a.pool_of(&local, id));
+  a.end_pool(4);
+  a.deallocate(small, S(1));
+  CHECK_FALSE(a.pool_of(small, id));                           // freed
+  a.release_pool(4);
+  REQUIRE(a.pool_stats(4, pi));                                // one live block keeps it
+  CHECK(pi.released);
+  CHECK(pi.live == 1);
+  a.deallocate(big, S(1));
+  CHECK_FALSE(a.pool_stats(4, pi));                            // dropped with its last block
+  a.deallocate(outside, S(2));
+  CHECK(a.check() == "");
+}

@@ -185,6 +185,13 @@ void init() {
   s.ready = true;
 }
 
+void verify_into(const void* p, std::size_t n, std::uint64_t seed, unsigned long long* counter,
+                 cudaStream_t s) {
+  verify_kernel<<<grid_for(n, kMaxBlocks), kThreads, 0, s>>>(static_cast<const unsigned char*>(p), n, seed,
+                                                               counter);
+  GPU_CHECK_LAUNCH("verify_kernel (verify_into)");
+}
+
 void shutdown() {
   state& s = st();
   std::lock_guard lk(s.m);

@@ -61,6 +61,11 @@ void shutdown();
 void fill(void* p, std::size_t n, std::uint64_t seed, cudaStream_t s = nullptr);
 // Counts bytes of [p, p + n) that differ from the pattern of `seed`. Synchronises s.
 std::uint64_t verify(const void* p, std::size_t n, std::uint64_t seed, cudaStream_t s = nullptr);
+// Adds the number of bytes of [p, p + n) that differ from the pattern of `seed` to *counter (an
+// unsigned long long in device memory). Asynchronous on s, no synchronisation and no host copy:
+// a stream capture may record it, and each replay of the graph checks again.
+void verify_into(const void* p, std::size_t n, std::uint64_t seed, unsigned long long* counter,
+                 cudaStream_t s);
 // Keeps writing the pattern of `seed` over [p, p + n) for about `ns` nanoseconds of GPU time (the
 // global timer), then once more; few blocks, so other streams' kernels run beside it. Async on s.
 void spin_fill(void* p, std::size_t n, std::uint64_t seed, std::uint64_t ns, cudaStream_t s);

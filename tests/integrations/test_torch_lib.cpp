@@ -107,3 +107,111 @@ TEST_CASE("threads racing to create one device's allocator get the same one") {
   CHECK(stat(5, "live") == 0);
   CHECK(vmm_torch_check(5) == 0);
 }
+
+namespace {
+void* S(std::uintptr_t i) { return reinterpret_cast<void*>(i); }
+struct capture_ctx {
+  void* stream;
+  int calls = 0;
+};
+int accept_capture_stream(void* s, void* user) {
+  auto* c = static_cast<capture_ctx*>(user);
+  ++c->calls;
+  return s == c->stream ? 1 : 0;
+}
+}  // namespace
+
+TEST_CASE("graph pools through the C functions: begin, end, release, pool_of, pool_stats, stats") {
+  const int d = 3;
+  capture_ctx c{S(0x10)};
+  void* before = vmm_torch_malloc(1 << 20, d, S(0x20));  // creates device 3's allocator
+  REQUIRE(before != nullptr);
+  CHECK(stat(d, "pools") == 0);
+  REQUIRE(vmm_torch_begin_pool(d, 42, accept_capture_stream, &c) == 0);
+  void* in = vmm_torch_malloc(3 << 20, d, c.stream);
+  void* out = vmm_torch_malloc(3 << 20, d, S(0x20));
+  REQUIRE(in != nullptr);
+  REQUIRE(out != nullptr);
+  CHECK(c.calls >= 2);  // asked for both allocations
+  std::uint64_t pool = 0, live = 0, allocated = 0, held = 0;
+  CHECK(vmm_torch_pool_of(in, &pool) == 1);
+  CHECK(pool == 42);
+  CHECK(vmm_torch_pool_of(out, &pool) == 0);
+  CHECK(vmm_torch_pool_of(static_cast<char*>(in) + 256, &pool) == 0);
+  CHECK(vmm_torch_pool_stats(d, 42, &live, &allocated, &held) == 1);
+  CHECK(live == 1);
+  CHECK(allocated >= (3u << 20));
+  CHECK(held >= (3u << 20));
+  CHECK(stat(d, "pools") == 1);
+  CHECK(stat(d, "pool_allocated") == allocated);
+  CHECK(stat(d, "pool_held") == held);
+
+  CHECK(vmm_torch_release_pool(d, 42) == -1);  // still begun
+  CHECK(std::string(vmm_torch_last_error()).find("still allocates") != std::string::npos);
+  CHECK(vmm_torch_end_pool(d, 42) == 0);
+  CHECK(vmm_torch_end_pool(d, 42) == -1);
+  CHECK(std::string(vmm_torch_last_error()).find("never begun") != std::string::npos);
+  CHECK(vmm_torch_end_pool(d, 43) == -1);
+  CHECK(vmm_torch_end_pool(1000, 42) == -1);
+  CHECK(std::string(vmm_torch_last_error()).find("out of range") != std::string::npos);
+
+  vmm_torch_free(in, 3 << 20, d, c.stream);     // back to the pool, not to other work
+  void* other = vmm_torch_malloc(3 << 20, d, c.stream);
+  CHECK(other != in);
+  CHECK(vmm_torch_pool_of(other, &pool) == 0);  // the pool is ended: no longer allocates
+  CHECK(vmm_torch_pool_stats(d, 42, &live, &allocated, &held) == 1);
+  CHECK(live == 0);
+  CHECK(held >= (3u << 20));                    // its memory stays its own until released
+  CHECK(vmm_torch_release_pool(d, 42) == 0);
+  CHECK(vmm_torch_pool_stats(d, 42, &live, &allocated, &held) == 0);
+  CHECK(stat(d, "pools") == 0);
+  CHECK(stat(d, "pool_held") == 0);
+  CHECK(vmm_torch_release_pool(d, 42) == -1);   // unknown now
+  CHECK(std::string(vmm_torch_last_error()).find("no such pool") != std::string::npos);
+
+  // A pool begun on a device with no allocator yet creates it; NULL filter = every stream.
+  REQUIRE(vmm_torch_initialized(2) == 0);
+  REQUIRE(vmm_torch_begin_pool(2, 7, nullptr, nullptr) == 0);
+  CHECK(vmm_torch_initialized(2) == 1);
+  void* any = vmm_torch_malloc(4096, 2, S(0x99));
+  CHECK(vmm_torch_pool_of(any, &pool) == 1);
+  CHECK(pool == 7);
+  CHECK(vmm_torch_end_pool(2, 7) == 0);
+  CHECK(vmm_torch_release_pool(2, 7) == 0);     // one live block keeps it alive
+  CHECK(vmm_torch_pool_stats(2, 7, &live, nullptr, nullptr) == 1);
+  CHECK(live == 1);
+  vmm_torch_free(any, 4096, 2, S(0x99));
+  CHECK(vmm_torch_pool_stats(2, 7, &live, nullptr, nullptr) == 0);  // dropped with its last block
+
+  vmm_torch_free(other, 3 << 20, d, c.stream);
+  vmm_torch_free(out, 3 << 20, d, S(0x20));
+  vmm_torch_free(before, 1 << 20, d, S(0x20));
+  CHECK(stat(d, "live") == 0);
+  CHECK(vmm_torch_check(d) == 0);
+  CHECK(vmm_torch_check(2) == 0);
+}
+
+TEST_CASE("record_stream finds the device from the pointer and refuses what is not a live block") {
+  const int d = 4;
+  void* p = vmm_torch_malloc(2 << 20, d, S(1));
+  void* q = vmm_torch_malloc(1 << 20, 3, S(1));  // device 3's allocator exists (case above)
+  REQUIRE(p != nullptr);
+  REQUIRE(q != nullptr);
+  CHECK(vmm_torch_device_of(p) == d);
+  CHECK(vmm_torch_device_of(q) == 3);
+  CHECK(vmm_torch_device_of(nullptr) == -1);
+  int local = 0;
+  CHECK(vmm_torch_device_of(&local) == -1);
+  CHECK(vmm_torch_record_stream(p, S(2)) == 0);
+  CHECK(vmm_torch_record_stream(q, S(2)) == 0);
+  CHECK(vmm_torch_record_stream(&local, S(2)) == -1);
+  CHECK(std::string(vmm_torch_last_error()).find("not from vmmalloc") != std::string::npos);
+  CHECK(vmm_torch_record_stream(static_cast<char*>(p) + 4096, S(2)) == -1);  // interior
+  CHECK(std::string(vmm_torch_last_error()).find("record_stream on device 4") != std::string::npos);
+  vmm_torch_free(p, 2 << 20, d, S(1));
+  vmm_torch_free(q, 1 << 20, 3, S(1));
+  CHECK(vmm_torch_record_stream(p, S(2)) == -1);  // freed
+  CHECK(stat(d, "live") == 0);
+  CHECK(stat(d, "free_failures") == 0);
+  CHECK(vmm_torch_check(d) == 0);
+}

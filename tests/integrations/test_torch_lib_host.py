@@ -140,6 +140,46 @@ with tempfile.TemporaryDirectory() as d:
     expect(times == sorted(times), "TIME never decreases")
     expect(vt.stats(5)["traced_events"] == 6, "traced_events == 6")
 
+# --- graph pools and record_stream (device 6) through ctypes -------------------------------------
+FILTER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+asked = []
+
+
+def only_stream_0x10(stream, user):
+    asked.append(stream)
+    return 1 if stream == 0x10 else 0
+
+
+keep_filter = FILTER(only_stream_0x10)  # alive until end_pool returns
+expect(lib.vmm_torch_begin_pool(6, 11, keep_filter, None) == 0, "begin_pool(6, 11) with a Python filter")
+a_in = lib.vmm_torch_try_malloc(5 * MiB, 6, 0x10)
+a_out = lib.vmm_torch_try_malloc(5 * MiB, 6, 0x20)
+expect(bool(a_in) and bool(a_out) and len(asked) >= 2, "the filter was asked (%d times)" % len(asked))
+pool = ctypes.c_uint64(0)
+expect(lib.vmm_torch_pool_of(a_in, ctypes.byref(pool)) == 1 and pool.value == 11, "pool_of: the capture's block is pool 11's")
+expect(lib.vmm_torch_pool_of(a_out, ctypes.byref(pool)) == 0, "pool_of: another stream's block is no pool's")
+s6 = vt.stats(6)
+expect(s6["pools"] == 1 and s6["pool_allocated"] >= 5 * MiB and s6["pool_held"] >= 5 * MiB,
+       "stats: pools %d, pool_allocated %d, pool_held %d" % (s6["pools"], s6["pool_allocated"], s6["pool_held"]))
+expect(vt.pool_of(a_in) == 11 and vt.pool_of(a_out) is None, "vmmalloc.torch.pool_of: 11 / None")
+expect(lib.vmm_torch_end_pool(6, 11) == 0, "end_pool(6, 11)")
+expect(lib.vmm_torch_end_pool(6, 11) == -1 and "never begun" in vt.last_error(), "end_pool twice: " + vt.last_error())
+expect(lib.vmm_torch_device_of(a_in) == 6, "device_of finds device 6")
+expect(lib.vmm_torch_record_stream(a_out, 0x30) == 0, "record_stream on a live block")
+expect(lib.vmm_torch_record_stream(0x1000, 0x30) == -1 and "not from vmmalloc" in vt.last_error(),
+       "record_stream on a foreign pointer: " + vt.last_error())
+lib.vmm_torch_free(a_in, 0, 6, 0x10)
+lib.vmm_torch_free(a_out, 0, 6, 0x20)
+expect(lib.vmm_torch_release_pool(6, 11) == 0 and vt.stats(6)["pools"] == 0 and vt.stats(6)["pool_held"] == 0,
+       "release_pool: pools and pool_held back to 0")
+expect(lib.vmm_torch_pool_stats(6, 11, None, None, None) == 0, "pool_stats: the pool is gone")
+
+# --- without torch: no mode, and the fallback's warning names what does not work -----------------
+expect(vt.mode() is None and not vt.enabled() and vt.extension_info() is None, "mode() is None before enable()")
+w = vt.NO_EXTENSION_WARNING % "why"
+expect("\n" not in w and "CUDA graphs" in w and "reduce-overhead" in w and "record_stream is a no-op" in w,
+       "the fallback warning is one line naming graphs, torch.compile and record_stream")
+
 expect(vt.check() == "", "check() over every device")
 print()
 if failures:

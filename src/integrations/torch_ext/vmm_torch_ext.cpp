@@ -1,0 +1,423 @@
+// libvmmalloc_torch_ext.so: vmmalloc as PyTorch's CUDA allocator WITH the hooks that PyTorch's
+// CUDAPluggableAllocator only takes from C++ (torch/csrc/cuda/CUDAPluggableAllocator.h):
+//   set_begin_allocate_to_pool / set_end_allocate_to_pool_fn / set_release_pool
+//       CUDA graphs (torch.cuda.graph, make_graphed_callables, torch.compile's CUDA graph trees)
+//       and torch.cuda.use_mem_pool: a capture's memory comes from a vmmalloc graph pool and stays
+//       its own until PyTorch releases the pool, so replays find their addresses as they were.
+//   set_record_stream_fn
+//       Tensor.record_stream: the block's reuse waits for that stream's work.
+// Without these hooks the plain pluggable allocator (python/vmmalloc/torch.py's fallback) gives a
+// graph no private memory: blocks a capture frees are handed to other tensors while replays still
+// write them.
+//
+// Built against the installed PyTorch (src/integrations/torch_ext/CMakeLists.txt, only where
+// find_package(Torch) succeeds) and loaded by python/vmmalloc/torch.py with ctypes after
+// `import torch`; no pybind, no Python headers. vmm_torch_ext_install() creates the allocator over
+// the SAME copy of libvmmalloc_torch.so that Python loaded (dlopen of its path: one allocator per
+// device per process) and installs it with changeCurrentAllocator, as torch.cuda.memory.
+// change_current_allocator does.
+//
+// PyTorch's MempoolId_t (a pair of uint64) maps to a vmmalloc pool id (uint64) through a table;
+// an entry lives while PyTorch holds uses of the pool (captures begun and not released, MemPool
+// objects), as PyTorch's own allocator counts them (CUDACachingAllocator.cpp: beginAllocateToPool
+// and createOrIncrefPool add one, releasePool takes one away). When the count reaches 0 the
+// vmmalloc pool is released: its free memory goes back at once, the rest as tensors die.
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#if __has_include(<torch/version.h>)
+#include <torch/version.h>
+#endif
+#ifndef TORCH_VERSION
+#define TORCH_VERSION "unknown"
+#endif
+
+#define VMM_EXT_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+namespace tpa = torch::cuda::CUDAPluggableAllocator;
+namespace cca = c10::cuda::CUDACachingAllocator;
+using mempool_id = c10::cuda::MempoolId_t;
+using stream_filter = std::function<bool(cudaStream_t)>;
+
+// ---- libvmmalloc_torch.so's C functions (vmmalloc_torch.h), resolved from the loaded copy ------
+struct library {
+  void* (*malloc)(ssize_t, int, void*) = nullptr;
+  void (*free)(void*, ssize_t, int, void*) = nullptr;
+  int (*begin_pool)(int, std::uint64_t, int (*)(void*, void*), void*) = nullptr;
+  int (*end_pool)(int, std::uint64_t) = nullptr;
+  int (*release_pool)(int, std::uint64_t) = nullptr;
+  int (*record_stream)(void*, void*) = nullptr;
+  int (*pool_of)(const void*, std::uint64_t*) = nullptr;
+  int (*pool_stats)(int, std::uint64_t, std::uint64_t*, std::uint64_t*, std::uint64_t*) = nullptr;
+  const char* (*last_error)() = nullptr;
+};
+library lib;
+
+std::mutex err_mu;
+std::string err_text;
+thread_local std::string err_copy;
+
+void set_error(std::string s) {
+  std::lock_guard g(err_mu);
+  err_text = std::move(s);
+}
+
+std::string lib_error() { return lib.last_error ? lib.last_error() : "(no message)"; }
+
+// Called by vmmalloc with its lock held, on the allocating thread, between begin and end: the
+// filter PyTorch handed to beginAllocateToPool (a capture id check, or "this thread"). It must not
+// throw into C: an exception counts as "not this pool".
+int call_filter(void* stream, void* user) {
+  try {
+    return (*static_cast<stream_filter*>(user))(static_cast<cudaStream_t>(stream)) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+// ---- the pool table ------------------------------------------------------------------------------
+struct pool_entry {
+  std::uint64_t id = 0;  // the vmmalloc pool
+  int uses = 0;          // PyTorch's use count
+  bool begun_once = false;  // a vmmalloc pool exists (MemPool objects make entries before that)
+  std::vector<std::unique_ptr<stream_filter>> filters;  // captures begun, newest last
+};
+
+struct pool_table {
+  std::mutex mu;  // taken before vmmalloc's lock, never inside it
+  std::map<std::tuple<int, std::uint64_t, std::uint64_t>, pool_entry> pools;
+  std::uint64_t next_id = 1;
+
+  static std::tuple<int, std::uint64_t, std::uint64_t> key(int device, mempool_id id) {
+    return {device, id.first, id.second};
+  }
+  pool_entry& entry(int device, mempool_id id) {
+    pool_entry& e = pools[key(device, id)];
+    if (e.id == 0) e.id = next_id++;
+    return e;
+  }
+  pool_entry* find(int device, mempool_id id) {
+    auto it = pools.find(key(device, id));
+    return it == pools.end() ? nullptr : &it->second;
+  }
+
+  void begin(int device, mempool_id id, stream_filter filter) {
+    std::lock_guard g(mu);
+    const bool fresh = !find(device, id);
+    pool_entry& e = entry(device, id);
+    auto f = filter ? std::make_unique<stream_filter>(std::move(filter)) : nullptr;
+    if (lib.begin_pool(device, e.id, f ? &call_filter : nullptr, f.get()) != 0) {
+      const std::string why = lib_error();
+      if (fresh) pools.erase(key(device, id));
+      TORCH_CHECK(false, "vmmalloc: beginAllocateToPool(device ", device, ", pool (", id.first, ", ",
+                  id.second, ")): ", why);
+    }
+    e.filters.push_back(std::move(f));
+    e.begun_once = true;
+    ++e.uses;
+  }
+
+  void end(int device, mempool_id id) {
+    std::lock_guard g(mu);
+    pool_entry* e = find(device, id);
+    TORCH_CHECK(e && !e->filters.empty(), "vmmalloc: endAllocateToPool(device ", device, ", pool (",
+                id.first, ", ", id.second, ")): not currently allocating to that pool");
+    // vmmalloc ends the newest capture of the pool: its filter is the last one here, and it is
+    // never called again once end_pool returns.
+    TORCH_CHECK(lib.end_pool(device, e->id) == 0, "vmmalloc: endAllocateToPool: ", lib_error());
+    e->filters.pop_back();
+  }
+
+  // Never throws: PyTorch calls it from CUDAGraph::reset, inside the graph's destructor.
+  void release(int device, mempool_id id) noexcept {
+    try {
+      std::lock_guard g(mu);
+      pool_entry* e = find(device, id);
+      if (!e) return;  // a pool PyTorch never routed to vmmalloc
+      if (--e->uses > 0) return;
+      if (!e->filters.empty()) return;  // a capture still allocates to it (PyTorch never does this)
+      if (e->begun_once && lib.release_pool(device, e->id) != 0)
+        TORCH_WARN("vmmalloc: releasePool(device ", device, ", pool (", id.first, ", ", id.second,
+                   ")): ", lib_error());
+      pools.erase(key(device, id));
+    } catch (...) {  // no memory for a message: the pool stays until exit
+    }
+  }
+
+  void incref(int device, mempool_id id) {
+    std::lock_guard g(mu);
+    ++entry(device, id).uses;
+  }
+
+  int uses(int device, mempool_id id) {
+    std::lock_guard g(mu);
+    pool_entry* e = find(device, id);
+    return e ? e->uses : 0;
+  }
+
+  // 0 when no vmmalloc pool exists for it (then it holds nothing).
+  std::uint64_t vmm_id(int device, mempool_id id) {
+    std::lock_guard g(mu);
+    pool_entry* e = find(device, id);
+    return e && e->begun_once ? e->id : 0;
+  }
+
+  int size() {
+    std::lock_guard g(mu);
+    return static_cast<int>(pools.size());
+  }
+};
+pool_table& table() {
+  static auto* t = new pool_table;  // never destroyed: graphs die during interpreter shutdown
+  return *t;
+}
+
+// ---- what the plain pluggable allocator refuses and graph code asks for --------------------------
+// torch.compile's CUDA graph trees (torch/_inductor/cudagraph_trees.py) call getCheckpointState
+// after every recording and checkPoolLiveAllocations around warm-ups and recordings
+// (config.triton.slow_path_cudagraph_asserts, on by default); CUDAPluggableAllocator refuses
+// both. MemPool objects call createOrIncrefPool / setUseOnOOM / setNoSplit / getPoolUseCount,
+// which its base class refuses. Their signatures changed across PyTorch releases (a raw or a
+// shared allocator pointer; setUseOnOOM with or without its flag): each form is declared here
+// without `override`, so whichever the installed headers declare is overridden and the others are
+// harmless overloads. vmm_torch_ext_install() then checks by calling them through the base class.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Woverloaded-virtual"
+#if defined(__clang__)
+#pragma GCC diagnostic ignored "-Winconsistent-missing-override"
+#endif
+
+// What getCheckpointState hands back: enough to say what it was taken of.
+struct vmm_checkpoint final : cca::AllocatorState {
+  int device = 0;
+  mempool_id pool{0, 0};
+};
+
+struct vmm_allocator final : tpa::CUDAPluggableAllocator {
+  vmm_allocator(std::function<void*(size_t, int, cudaStream_t)> a,
+                std::function<void(void*, size_t, int, cudaStream_t)> f)
+      : tpa::CUDAPluggableAllocator(std::move(a), std::move(f)) {}
+
+  bool mempool_ok = false;  // set by install: MemPool's destructor calls will not throw
+
+  // True when the pool's live blocks are exactly `expected` (PyTorch's definition).
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, mempool_id id,
+                                const std::unordered_set<void*>& expected) override {
+    const std::uint64_t vid = table().vmm_id(device, id);
+    if (vid == 0) return expected.empty();
+    std::uint64_t live = 0;
+    if (lib.pool_stats(device, vid, &live, nullptr, nullptr) != 1) return expected.empty();
+    if (live != expected.size()) return false;
+    for (void* p : expected) {
+      std::uint64_t in = 0;
+      if (lib.pool_of(p, &in) != 1 || in != vid) return false;
+    }
+    return true;
+  }
+
+  // A token, not a copy of the pool: vmmalloc cannot give a freed block back at its old address,
+  // which restoring a checkpoint needs (setCheckpointPoolState below refuses).
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device, mempool_id id) override {
+    auto s = std::make_shared<vmm_checkpoint>();
+    s->device = device;
+    s->pool = id;
+    return s;
+  }
+
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
+                                              std::shared_ptr<cca::AllocatorState>) override {
+    TORCH_CHECK(false, "vmmalloc (device ", static_cast<int>(device),
+                "): torch.compile's CUDA graph trees asked to restore a graph pool to a checkpoint "
+                "(a new graph recorded after a replay on the same path, e.g. a new input shape); "
+                "vmmalloc's graph pools cannot do that. Call torch.compiler.cudagraph_mark_step_begin() "
+                "between iterations, keep shapes static, or use vmmalloc in MemPool mode "
+                "(vmmalloc.torch.mem_pool()) for this part of the program.");
+    return {};
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, mempool_id id, std::shared_ptr<cca::CUDAAllocator> a) {
+    incref(device, id, a.get());
+  }
+  void createOrIncrefPool(c10::DeviceIndex device, mempool_id id, cca::CUDAAllocator* a) {
+    incref(device, id, a);
+  }
+  int getPoolUseCount(c10::DeviceIndex device, mempool_id id) { return table().uses(device, id); }
+  // vmmalloc has no last-resort pools and never splits across them: nothing to set.
+  void setUseOnOOM(c10::DeviceIndex, mempool_id, bool) {}
+  void setUseOnOOM(c10::DeviceIndex, mempool_id) {}
+  void setNoSplit(c10::DeviceIndex, mempool_id) {}
+
+ private:
+  void incref(c10::DeviceIndex device, mempool_id id, cca::CUDAAllocator* a) {
+    TORCH_CHECK(mempool_ok,
+                "vmmalloc: torch.cuda.MemPool needs allocator hooks this PyTorch build does not let "
+                "vmmalloc's extension provide; use vmmalloc in MemPool mode (vmmalloc.torch.mem_pool()) "
+                "under PyTorch's own allocator instead");
+    TORCH_CHECK(a == nullptr || a == this,
+                "vmmalloc: a torch.cuda.MemPool with an allocator of its own cannot be used while "
+                "vmmalloc is PyTorch's allocator (its memory would come from vmmalloc anyway)");
+    table().incref(device, id);
+  }
+};
+#pragma GCC diagnostic pop
+
+// setUseOnOOM(device, id, false) through the base class, in whichever form it is declared:
+// MemPool's destructor makes that call, and a throw there would end the process.
+template <class A>
+auto use_on_oom_off(A* a, int) -> decltype(a->setUseOnOOM(c10::DeviceIndex{0}, mempool_id{}, false), void()) {
+  a->setUseOnOOM(c10::DeviceIndex{0}, mempool_id{}, false);
+}
+template <class A>
+auto use_on_oom_off(A* a, long) -> decltype(a->setUseOnOOM(c10::DeviceIndex{0}, mempool_id{}), void()) {
+  a->setUseOnOOM(c10::DeviceIndex{0}, mempool_id{});
+}
+template <class A>
+void use_on_oom_off(A*, ...) {}
+
+// Whether MemPool objects can work: createOrIncrefPool, getPoolUseCount and setUseOnOOM reach the
+// overrides above (a pool id PyTorch never makes, undone at once).
+bool probe_mempool(vmm_allocator& a) {
+  cca::CUDAAllocator* base = &a;
+  const mempool_id probe{~0ull, ~0ull};
+  a.mempool_ok = true;
+  try {
+    base->createOrIncrefPool(0, probe, nullptr);
+    const bool counted = table().uses(0, probe) == 1;
+    use_on_oom_off(base, 0);
+    table().release(0, probe);
+    return counted;
+  } catch (...) {
+    table().release(0, probe);
+    return false;
+  }
+}
+
+std::mutex install_mu;
+std::shared_ptr<vmm_allocator> installed;  // also held by PyTorch (its current allocator)
+
+template <class F>
+bool resolve(void* h, const char* name, F& fn, std::string& missing) {
+  void* s = dlsym(h, name);
+  if (!s) missing += std::string(missing.empty() ? "" : ", ") + name;
+  fn = reinterpret_cast<F>(s);
+  return s != nullptr;
+}
+
+}  // namespace
+
+// Makes vmmalloc PyTorch's CUDA allocator with every hook set. lib_path: the libvmmalloc_torch.so
+// Python loaded (the same file gives the same copy: one allocator per device). Must run before
+// the process's first CUDA allocation. 0, or -1 with vmm_torch_ext_last_error() saying why.
+// A second call after success does nothing and returns 0.
+VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
+  try {
+    std::lock_guard g(install_mu);
+    if (installed) return 0;
+    if (!lib_path || !*lib_path) {
+      set_error("vmm_torch_ext_install: no path to libvmmalloc_torch.so");
+      return -1;
+    }
+    void* h = dlopen(lib_path, RTLD_NOW | RTLD_NOLOAD);  // the copy Python loaded
+    if (!h) h = dlopen(lib_path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+      const char* e = dlerror();
+      set_error(std::string("vmm_torch_ext_install: cannot load ") + lib_path + ": " + (e ? e : "?"));
+      return -1;
+    }
+    library l;
+    std::string missing;
+    resolve(h, "vmm_torch_malloc", l.malloc, missing);
+    resolve(h, "vmm_torch_free", l.free, missing);
+    resolve(h, "vmm_torch_begin_pool", l.begin_pool, missing);
+    resolve(h, "vmm_torch_end_pool", l.end_pool, missing);
+    resolve(h, "vmm_torch_release_pool", l.release_pool, missing);
+    resolve(h, "vmm_torch_record_stream", l.record_stream, missing);
+    resolve(h, "vmm_torch_pool_of", l.pool_of, missing);
+    resolve(h, "vmm_torch_pool_stats", l.pool_stats, missing);
+    resolve(h, "vmm_torch_last_error", l.last_error, missing);
+    if (!missing.empty()) {
+      set_error(std::string("vmm_torch_ext_install: ") + lib_path + " lacks " + missing +
+                ": it predates this extension; rebuild it");
+      return -1;
+    }
+    lib = l;
+
+    // PyTorch hands size_t; vmm_torch_malloc takes ssize_t (the same bits: Python's
+    // CUDAPluggableAllocator passes the function pointer itself).
+    auto a = std::make_shared<vmm_allocator>(
+        [](size_t n, int device, cudaStream_t s) { return lib.malloc(static_cast<ssize_t>(n), device, s); },
+        [](void* p, size_t n, int device, cudaStream_t s) { lib.free(p, static_cast<ssize_t>(n), device, s); });
+    a->set_begin_allocate_to_pool([](int device, mempool_id id, stream_filter filter) {
+      table().begin(device, id, std::move(filter));
+    });
+    a->set_end_allocate_to_pool_fn([](int device, mempool_id id) { table().end(device, id); });
+    a->set_release_pool([](int device, mempool_id id) { table().release(device, id); });
+    // A pointer of another allocator (a tensor PyTorch made from foreign memory) is refused by
+    // the library and ignored here, as PyTorch's own allocator ignores what it does not own.
+    a->set_record_stream_fn([](void* p, cudaStream_t s) { (void)lib.record_stream(p, s); });
+    a->mempool_ok = probe_mempool(*a);
+    // What torch._C._cuda_customAllocator does after creating one (createCustomAllocator): init
+    // marks it initialized; its device count argument is unused without an init function.
+    a->init(0);
+    // Throws "Can't swap an already initialized allocator" after the first CUDA allocation.
+    tpa::changeCurrentAllocator(a);
+    installed = std::move(a);
+    return 0;
+  } catch (const c10::Error& e) {
+    set_error(std::string("vmm_torch_ext_install: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    set_error(std::string("vmm_torch_ext_install: ") + e.what());
+  } catch (...) {
+    set_error("vmm_torch_ext_install: unknown exception");
+  }
+  return -1;
+}
+
+// 1 once vmm_torch_ext_install() succeeded.
+VMM_EXT_EXPORT int vmm_torch_ext_installed(void) {
+  std::lock_guard g(install_mu);
+  return installed ? 1 : 0;
+}
+
+// Bit 0: graph pools and record_stream hooks set (always, once installed); bit 1: MemPool
+// objects work (createOrIncrefPool and setUseOnOOM reach vmmalloc in this PyTorch).
+VMM_EXT_EXPORT int vmm_torch_ext_features(void) {
+  std::lock_guard g(install_mu);
+  if (!installed) return 0;
+  return 1 | (installed->mempool_ok ? 2 : 0);
+}
+
+// PyTorch pools the extension maps to vmmalloc pools now (captures not yet released, MemPool
+// objects alive). Tests: back to its baseline once graphs and pools are gone.
+VMM_EXT_EXPORT int vmm_torch_ext_pool_count(void) { return table().size(); }
+
+// The vmmalloc pool id of PyTorch's pool (first, second) on `device`; 0 when it has none.
+VMM_EXT_EXPORT std::uint64_t vmm_torch_ext_pool_id(int device, std::uint64_t first, std::uint64_t second) {
+  return table().vmm_id(device, mempool_id{first, second});
+}
+
+// The PyTorch version the extension was compiled against ("2.11.0"...).
+VMM_EXT_EXPORT const char* vmm_torch_ext_torch_version(void) { return TORCH_VERSION; }
+
+VMM_EXT_EXPORT const char* vmm_torch_ext_last_error(void) {
+  std::lock_guard g(err_mu);
+  err_copy = err_text;
+  return err_copy.c_str();
+}

@@ -1,0 +1,195 @@
+// The PyTorch extension's logic (src/integrations/torch_ext/vmm_torch_ext.cpp) in CI, without
+// PyTorch: the extension is compiled against stand-ins of the two PyTorch headers it uses
+// (torch_stub/, PyTorch 2.11's declarations; a second program with the older MemPool forms) and
+// linked into this program, which plays PyTorch's part: it calls the hooks as CUDAGraph,
+// make_graphed_callables (shared pools), use_mem_pool and MemPool objects do, on
+// libvmmalloc_torch.so with the host backend. What this cannot show: that the real headers
+// compile (the GPU machine builds the real extension) and PyTorch's own call sequences
+// (gpu.torch_graphs runs those).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <unordered_set>
+
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include "vmmalloc_torch.h"  // linked: the same copy the extension dlopens by its path
+
+extern "C" {
+int vmm_torch_ext_install(const char* lib_path);
+int vmm_torch_ext_installed(void);
+int vmm_torch_ext_features(void);
+int vmm_torch_ext_pool_count(void);
+std::uint64_t vmm_torch_ext_pool_id(int device, std::uint64_t first, std::uint64_t second);
+const char* vmm_torch_ext_last_error(void);
+}
+
+namespace {
+
+namespace tpa = torch::cuda::CUDAPluggableAllocator;
+namespace cca = c10::cuda::CUDACachingAllocator;
+using mempool_id = c10::cuda::MempoolId_t;
+
+cudaStream_t S(std::uintptr_t i) { return reinterpret_cast<cudaStream_t>(i); }
+
+struct installed {
+  installed() {
+    setenv("VMMALLOC_TORCH_BACKEND", "host", 1);
+    REQUIRE_MESSAGE(vmm_torch_ext_install(VMM_TORCH_LIB_PATH) == 0, vmm_torch_ext_last_error());
+  }
+};
+
+// PyTorch's side: the current allocator, through the base class PyTorch holds.
+tpa::CUDAPluggableAllocator& pluggable() {
+  static installed once;
+  return static_cast<tpa::CUDAPluggableAllocator&>(*tpa::current_custom_allocator);
+}
+cca::CUDAAllocator& base() { return pluggable(); }
+
+bool pool_alive(int device, mempool_id id) {
+  const std::uint64_t v = vmm_torch_ext_pool_id(device, id.first, id.second);
+  return v != 0 && vmm_torch_pool_stats(device, v, nullptr, nullptr, nullptr) == 1;
+}
+
+}  // namespace
+
+TEST_CASE("install: once, a pluggable allocator with every hook, MemPool support detected") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  CHECK(vmm_torch_ext_installed() == 1);
+  CHECK(a.initialized_);
+  CHECK(a.begin_allocate_to_pool_fn_);
+  CHECK(a.end_allocate_to_pool_fn_);
+  CHECK(a.relase_pool_fn_);
+  CHECK(a.record_stream_fn_);
+  CHECK(vmm_torch_ext_features() == 3);  // hooks + MemPool objects
+  CHECK(vmm_torch_ext_install(VMM_TORCH_LIB_PATH) == 0);  // a second call does nothing
+  CHECK(vmm_torch_ext_pool_count() == 0);  // the install's probe left nothing behind
+}
+
+TEST_CASE("a CUDA graph's capture: its pool, checkPoolLiveAllocations, release as CUDAGraph::reset does") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  const mempool_id id{1, 0};  // what graph_pool_handle(false) makes
+  const cudaStream_t cs = S(0x10);
+  a.begin_allocate_to_pool_fn_(0, id, [cs](cudaStream_t s) { return s == cs; });
+  CHECK(vmm_torch_ext_pool_count() == 1);
+  void* t = a.alloc_fn_(1 << 20, 0, cs);   // a temporary of the capture
+  void* out = a.alloc_fn_(3 << 20, 0, cs); // the graph's output
+  void* other = a.alloc_fn_(1 << 20, 0, S(0x20));
+  const std::uint64_t v = vmm_torch_ext_pool_id(0, 1, 0);
+  std::uint64_t in = 0;
+  CHECK(v != 0);
+  CHECK(vmm_torch_pool_of(out, &in) == 1);
+  CHECK(in == v);
+  CHECK(vmm_torch_pool_of(other, &in) == 0);
+  a.free_fn_(t, 1 << 20, 0, cs);  // freed inside the capture
+  a.end_allocate_to_pool_fn_(0, id);
+  CHECK_THROWS_WITH_AS(a.end_allocate_to_pool_fn_(0, id), doctest::Contains("not currently allocating"), c10::Error);
+
+  // torch.compile's graph trees ask these; the plain pluggable allocator refuses them.
+  CHECK(base().checkPoolLiveAllocations(0, id, {out}));
+  CHECK_FALSE(base().checkPoolLiveAllocations(0, id, {}));
+  CHECK_FALSE(base().checkPoolLiveAllocations(0, id, {out, other}));
+  CHECK(base().checkPoolLiveAllocations(0, mempool_id{99, 0}, {}));  // a pool that holds nothing
+  CHECK(base().getCheckpointState(0, id) != nullptr);
+  CHECK_THROWS_WITH_AS(base().setCheckpointPoolState(0, base().getCheckpointState(0, id)),
+                       doctest::Contains("checkpoint"), c10::Error);
+
+  a.relase_pool_fn_(0, id);                // CUDAGraph::reset
+  CHECK(vmm_torch_ext_pool_count() == 0);  // PyTorch's use count reached 0
+  CHECK(vmm_torch_pool_stats(0, v, nullptr, nullptr, nullptr) == 1);  // `out` keeps vmmalloc's pool
+  a.free_fn_(out, 3 << 20, 0, cs);
+  CHECK(vmm_torch_pool_stats(0, v, nullptr, nullptr, nullptr) == 0);  // gone with its last block
+  a.free_fn_(other, 1 << 20, 0, S(0x20));
+  a.relase_pool_fn_(0, id);  // again (a pool it no longer knows): ignored, never throws
+}
+
+TEST_CASE("two captures share a pool (make_graphed_callables): released when both graphs are") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  const mempool_id id{0, 7};  // graph_pool_handle()
+  const cudaStream_t cs = S(0x30);
+  auto filter = [cs](cudaStream_t s) { return s == cs; };
+  a.begin_allocate_to_pool_fn_(0, id, filter);
+  void* x = a.alloc_fn_(2 << 20, 0, cs);
+  a.end_allocate_to_pool_fn_(0, id);
+  a.begin_allocate_to_pool_fn_(0, id, filter);  // the second graph, same pool
+  void* y = a.alloc_fn_(2 << 20, 0, cs);
+  a.end_allocate_to_pool_fn_(0, id);
+  const std::uint64_t v = vmm_torch_ext_pool_id(0, 0, 7);
+  std::uint64_t in = 0;
+  CHECK(vmm_torch_pool_of(y, &in) == 1);
+  CHECK(in == v);  // one vmmalloc pool for both
+  a.relase_pool_fn_(0, id);  // the first graph goes
+  CHECK(vmm_torch_ext_pool_count() == 1);
+  a.free_fn_(x, 2 << 20, 0, cs);
+  a.free_fn_(y, 2 << 20, 0, cs);
+  CHECK(pool_alive(0, id));  // the second graph still replays into it: nothing goes back
+  a.relase_pool_fn_(0, id);
+  CHECK(vmm_torch_ext_pool_count() == 0);
+  CHECK(vmm_torch_pool_stats(0, v, nullptr, nullptr, nullptr) == 0);
+}
+
+TEST_CASE("MemPool objects and use_mem_pool counted as PyTorch counts them") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  const mempool_id id{0, 11};  // a user-created pool
+  base().createOrIncrefPool(0, id, nullptr);  // MemPool()
+  CHECK(base().getPoolUseCount(0, id) == 1);
+  CHECK(vmm_torch_ext_pool_id(0, 0, 11) == 0);  // no vmmalloc pool until something is allocated
+  // with use_mem_pool(pool): begin (this thread), end, release
+  a.begin_allocate_to_pool_fn_(0, id, [](cudaStream_t) { return true; });
+  CHECK(base().getPoolUseCount(0, id) == 2);
+  void* p = a.alloc_fn_(5 << 20, 0, S(0x40));
+  a.end_allocate_to_pool_fn_(0, id);
+  a.relase_pool_fn_(0, id);
+  CHECK(base().getPoolUseCount(0, id) == 1);
+  CHECK(pool_alive(0, id));
+  a.free_fn_(p, 5 << 20, 0, S(0x40));
+  CHECK(pool_alive(0, id));  // the MemPool object still holds it
+  // ~MemPool: setUseOnOOM(false), releasePool
+#ifdef VMM_STUB_OLD_API
+  CHECK_NOTHROW(base().setUseOnOOM(0, id));
+#else
+  CHECK_NOTHROW(base().setUseOnOOM(0, id, false));
+#endif
+  CHECK_NOTHROW(base().setNoSplit(0, id));
+  const std::uint64_t v = vmm_torch_ext_pool_id(0, 0, 11);
+  a.relase_pool_fn_(0, id);
+  CHECK(base().getPoolUseCount(0, id) == 0);
+  CHECK(vmm_torch_pool_stats(0, v, nullptr, nullptr, nullptr) == 0);
+  CHECK(vmm_torch_ext_pool_count() == 0);
+
+  // A MemPool with an allocator of its own cannot be honoured while vmmalloc is the allocator.
+  struct foreign : tpa::CUDAPluggableAllocator {
+    foreign() : tpa::CUDAPluggableAllocator(nullptr, nullptr) {}
+  };
+  auto f = std::make_shared<foreign>();
+#ifdef VMM_STUB_OLD_API
+  CHECK_THROWS_WITH_AS(base().createOrIncrefPool(0, mempool_id{0, 12}, f.get()),
+                       doctest::Contains("allocator of its own"), c10::Error);
+#else
+  CHECK_THROWS_WITH_AS(base().createOrIncrefPool(0, mempool_id{0, 12}, f),
+                       doctest::Contains("allocator of its own"), c10::Error);
+#endif
+  CHECK(vmm_torch_ext_pool_count() == 0);
+}
+
+TEST_CASE("record_stream reaches vmmalloc; a foreign pointer is ignored, never thrown") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  void* p = a.alloc_fn_(1 << 20, 0, S(0x50));
+  CHECK_NOTHROW(a.record_stream_fn_(p, S(0x51)));
+  int local = 0;
+  CHECK_NOTHROW(a.record_stream_fn_(&local, S(0x51)));
+  a.free_fn_(p, 1 << 20, 0, S(0x50));
+  std::uint64_t st[64] = {};
+  REQUIRE(vmm_torch_stats(0, st, 64) > 0);
+}
+
+TEST_CASE("a failing begin throws PyTorch's error type with vmmalloc's reason and keeps no entry") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  // Device -1 is out of range for the library: begin_pool fails.
+  CHECK_THROWS_WITH_AS(a.begin_allocate_to_pool_fn_(-1, mempool_id{5, 0}, nullptr),
+                       doctest::Contains("beginAllocateToPool"), c10::Error);
+  CHECK(vmm_torch_ext_pool_count() == 0);
+}

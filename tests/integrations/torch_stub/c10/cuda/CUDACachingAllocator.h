@@ -1,0 +1,79 @@
+// A stand-in for the part of PyTorch's c10/cuda/CUDACachingAllocator.h that
+// src/integrations/torch_ext/vmm_torch_ext.cpp uses, so the extension's logic builds and runs in CI
+// without PyTorch (test_torch_ext_stub.cpp). Declarations follow PyTorch 2.11's; with
+// -DVMM_STUB_OLD_API the MemPool calls take the older forms (a raw allocator pointer,
+// setUseOnOOM without its flag). The base class refuses what PyTorch's base class refuses.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace c10 {
+using DeviceIndex = std::int8_t;
+struct Error : std::exception {
+  std::string msg;
+  explicit Error(std::string m) : msg(std::move(m)) {}
+  const char* what() const noexcept override { return msg.c_str(); }
+  const char* what_without_backtrace() const noexcept { return msg.c_str(); }
+};
+template <class... A>
+std::string str(const A&... a) {
+  std::ostringstream o;
+  (o << ... << a);
+  return o.str();
+}
+struct DataPtr {
+  void* p = nullptr;
+  void* get() const { return p; }
+};
+namespace cuda {
+using CaptureId_t = unsigned long long;
+using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;
+namespace CUDACachingAllocator {
+struct AllocatorState {
+  virtual ~AllocatorState() = default;
+};
+struct CheckpointDelta {
+  std::vector<void*> ptrs_freed;
+  std::vector<DataPtr> dataptrs_allocd;
+};
+struct CUDAAllocator {
+  virtual ~CUDAAllocator() = default;
+  virtual std::string name() = 0;
+  virtual void init(int device_count) = 0;
+  virtual std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex, MempoolId_t) = 0;
+  virtual CheckpointDelta setCheckpointPoolState(DeviceIndex, std::shared_ptr<AllocatorState>) = 0;
+  virtual bool checkPoolLiveAllocations(DeviceIndex, MempoolId_t, const std::unordered_set<void*>&) {
+    throw Error(name() + " does not yet support checkPoolLiveAllocations");
+  }
+#ifdef VMM_STUB_OLD_API
+  virtual void createOrIncrefPool(DeviceIndex, MempoolId_t, CUDAAllocator* = nullptr) {
+    throw Error(name() + " does not yet support createOrIncrefPool");
+  }
+  virtual void setUseOnOOM(DeviceIndex, MempoolId_t) { throw Error(name() + " does not yet support setUseOnOOM"); }
+#else
+  virtual void createOrIncrefPool(DeviceIndex, MempoolId_t, std::shared_ptr<CUDAAllocator> = nullptr) {
+    throw Error(name() + " does not yet support createOrIncrefPool");
+  }
+  virtual void setUseOnOOM(DeviceIndex, MempoolId_t, bool) { throw Error(name() + " does not yet support setUseOnOOM"); }
+#endif
+  virtual void setNoSplit(DeviceIndex, MempoolId_t) { throw Error(name() + " does not yet support setNoSplit"); }
+  virtual int getPoolUseCount(DeviceIndex, MempoolId_t) { throw Error(name() + " does not yet support getPoolUseCount"); }
+};
+}  // namespace CUDACachingAllocator
+}  // namespace cuda
+}  // namespace c10
+
+#define TORCH_CHECK(cond, ...)                              \
+  do {                                                      \
+    if (!(cond)) throw ::c10::Error(::c10::str(__VA_ARGS__)); \
+  } while (0)
+#define TORCH_WARN(...) (void)::c10::str(__VA_ARGS__)

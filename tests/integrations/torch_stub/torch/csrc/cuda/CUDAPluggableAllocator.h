@@ -1,0 +1,53 @@
+// A stand-in for PyTorch 2.11's torch/csrc/cuda/CUDAPluggableAllocator.h (the members the
+// extension uses, with PyTorch's signatures). Its hooks are public here so the test can play
+// PyTorch's part (in PyTorch they are protected and called by CUDAGraph, MemPool, recordStream).
+#pragma once
+#include <c10/cuda/CUDACachingAllocator.h>
+
+namespace torch::cuda::CUDAPluggableAllocator {
+
+struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
+  CUDAPluggableAllocator(std::function<void*(size_t, int, cudaStream_t)> alloc_fn,
+                         std::function<void(void*, size_t, int, cudaStream_t)> free_fn)
+      : alloc_fn_(std::move(alloc_fn)), free_fn_(std::move(free_fn)) {}
+  CUDAPluggableAllocator(CUDAPluggableAllocator& other) = delete;
+  CUDAPluggableAllocator(CUDAPluggableAllocator&& other) = delete;
+
+  void set_record_stream_fn(std::function<void(void* ptr, cudaStream_t stream)> f) { record_stream_fn_ = std::move(f); }
+  void set_begin_allocate_to_pool(
+      std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> f) {
+    begin_allocate_to_pool_fn_ = std::move(f);
+  }
+  void set_end_allocate_to_pool_fn(std::function<void(int, c10::cuda::MempoolId_t)> f) {
+    end_allocate_to_pool_fn_ = std::move(f);
+  }
+  void set_release_pool(std::function<void(int, c10::cuda::MempoolId_t)> f) { relase_pool_fn_ = std::move(f); }
+
+  std::string name() override { return "pluggable"; }
+  void init(int) override { initialized_ = true; }
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
+      c10::DeviceIndex, c10::cuda::MempoolId_t) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support getCheckpointState");
+  }
+  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex, std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState>) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support setCheckpointPoolState");
+  }
+
+  std::function<void*(size_t, int, cudaStream_t)> alloc_fn_;
+  std::function<void(void*, size_t, int, cudaStream_t)> free_fn_;
+  std::function<void(void* ptr, cudaStream_t stream)> record_stream_fn_;
+  std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> begin_allocate_to_pool_fn_;
+  std::function<void(int, c10::cuda::MempoolId_t)> end_allocate_to_pool_fn_;
+  std::function<void(int, c10::cuda::MempoolId_t)> relase_pool_fn_;
+  bool initialized_ = false;
+};
+
+// PyTorch's current allocator (c10::cuda::CUDACachingAllocator::allocator there).
+inline std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> current_custom_allocator;
+inline void changeCurrentAllocator(const std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator>& a) {
+  if (current_custom_allocator) throw c10::Error("Can't swap an already initialized allocator");
+  current_custom_allocator = a;
+}
+
+}  // namespace torch::cuda::CUDAPluggableAllocator

@@ -58,7 +58,7 @@ constexpr int kCudaAbi = 12000;
   X(cuEventQuery, 2000)                              \
   X(cuEventSynchronize, 2000)                        \
   X(cuEventDestroy, 4000)                             \
-  X(cuStreamGetCaptureInfo, 10010)                   \
+  X(cuStreamGetCaptureInfo, 11030)                   \
   X(cuThreadExchangeStreamCaptureMode, 10010)
 
 errc kind_of(CUresult r) noexcept {
@@ -550,10 +550,17 @@ void cuda_backend::drop_fence(fence_t f) {
 
 result<capture_info> cuda_backend::capture_of(stream_t stream) {
   if (!available()) return {{}, {}};
+  ctx_scope c(p_->ctx);  // the legacy stream (0) means the current context's: make it ours
+  if (!c.st().ok()) return fail<capture_info>(c.st());
   CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
   cuuint64_t id = 0;
-  if (status s = VMM_CU(drv(), cuStreamGetCaptureInfo, static_cast<CUstream>(stream), &cs, &id); !s.ok())
-    return fail<capture_info>(s);
+  // At the 12.0 ABI this is the six-argument form: the graph outputs are asked for nothing (a
+  // three-argument call would let the driver write through whatever the registers held).
+  CUresult r = drv().cuStreamGetCaptureInfo_(static_cast<CUstream>(stream), &cs, &id, nullptr, nullptr, nullptr);
+  // The legacy stream while another stream captures in global mode: any work on it would join
+  // (and break) that capture, so it counts as captured.
+  if (r == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) return {{capture_state::active, 0}, {}};
+  if (status s = drv().check(r, "cuStreamGetCaptureInfo"); !s.ok()) return fail<capture_info>(s);
   capture_info ci;
   ci.state = cs == CU_STREAM_CAPTURE_STATUS_ACTIVE        ? capture_state::active
              : cs == CU_STREAM_CAPTURE_STATUS_INVALIDATED ? capture_state::invalidated

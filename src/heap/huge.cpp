@@ -4,7 +4,6 @@
 
 namespace vmm {
 
-
 status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* retire_for) {
   assert(b && (b->flags & f_huge) && (b->flags & f_free));
   if (b->flags & f_exported) keep_handle = false, retire_for = nullptr;  // an importer may map it: never reuse
@@ -18,7 +17,7 @@ status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* reti
     std::uint32_t id = a.chunk_at(b->addr + b->size - 1);
     std::size_t cs = a.get(id).size;
     if (retire_for) {
-      auto f = a.drv().record_fence(*retire_for);  // release_chunk checked it does not capture  // one per chunk: each retired range owns its fence
+      auto f = a.drv().record_fence(*retire_for);  // one per chunk (each retired range owns its fence); the caller checked the stream does not capture
       if (!f.ok()) return f.st;
       a.retire_chunk(id, f.value);
       ++st.chunks_retired;
@@ -68,6 +67,7 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
     r = a.map_range(size, 0, kOwnerHuge, nullptr, hid);
   }
   if (!r.ok()) return {nullptr, r.st};
+  ++st.grows;  // new memory mapped, as grow() counts for spans
   block* b = new_block();
   b->addr = r.value;
   b->size = size;

@@ -56,7 +56,8 @@ class driver {
   bool capturing(stream_t s) {
     if (!capture_) return false;
     auto c = b_->capture_of(s);
-    return !c.ok() || c.value.state != capture_state::none;  // unknown: treated as capturing
+    // A failed query is not a capture: the fence call that follows fails on its own and says why.
+    return c.ok() && c.value.state != capture_state::none;
   }
 
   // Teardown and rollback cannot leave memory behind on one refusal: the call is made once more.

@@ -267,3 +267,71 @@ TEST_CASE("graph pools: pool_stats, pool_of and owns say where a block lives") {
   a.deallocate(outside, S(2));
   CHECK(a.check() == "");
 }
+
+// The GPU capture test's sequence, scaled down: for every size path, a warm allocator (its memory
+// mapped and free, partly in this thread's cache) captures a graph that allocates, frees and
+// allocates again inside the capture, with a pool whose filter accepts only this capture.
+TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by capture id") {
+  for (bool held : {false, true})
+  for (std::size_t n : {std::size_t{256}, 64 * KiB, 1 * MiB, 32 * MiB, 128 * MiB}) {
+    CAPTURE(n);
+    CAPTURE(held);
+    auto [hb, a] = make_host_alloc(opts());
+    const stream_t cs = S(1);
+    if (held)  // the GPU runs behind: every fence stays pending
+      for (int i : {1, 5, 6}) hb->hold_stream(S(i));
+    std::vector<void*> w;
+    for (int i = 0; i < 4; ++i) w.push_back(a.allocate(n, 0, cs));
+    for (void* p : w) a.deallocate(p, cs);
+    std::uint64_t id = 0;
+    host_backend* b = hb;
+    a.begin_pool(7, [b, cs, &id](stream_t s) {
+      auto c = b->capture_of(s);
+      return c.ok() && c.value.state == capture_state::active && c.value.id == id && s == cs;
+    });
+    id = hb->begin_capture(cs);
+    REQUIRE(id != 0);
+    void* t1 = a.allocate(n, 0, cs);
+    void* t2 = a.allocate(n, 0, cs);
+    std::memset(t1, 1, n);
+    std::memset(t2, 2, n);
+    a.deallocate(t1, cs);
+    void* t3 = a.allocate(n, 0, cs);
+    std::memset(t3, 3, n);
+    void* out = a.allocate(n, 0, cs);
+    std::memset(out, 4, n);
+    void* other = a.allocate(n, 0, S(5));
+    allocator::pool_id in = 0;
+    CHECK_FALSE(a.pool_of(other, in));
+    CHECK(a.pool_of(t2, in));
+    CHECK(end(hb, cs) == "");
+    a.end_pool(7);
+    a.deallocate(t2, cs);
+    a.deallocate(t3, cs);
+    a.deallocate(other, S(5));
+    for (int r = 0; r < 3; ++r) {
+      void* x = a.allocate(n, 0, cs);
+      void* y = a.allocate(n, 0, S(6));
+      for (void* p : {t1, t2, t3, out}) {
+        auto lo = reinterpret_cast<std::uintptr_t>(p);
+        for (void* q : {x, y}) {
+          auto u = reinterpret_cast<std::uintptr_t>(q);
+          CHECK_FALSE((u < lo + n && lo < u + n));
+        }
+      }
+      std::memset(x, 5, n);
+      std::memset(y, 6, n);
+      CHECK(static_cast<unsigned char*>(out)[n - 1] == 4);
+      a.deallocate(x, cs);
+      a.deallocate(y, S(6));
+    }
+    if (held)  // the GPU test synchronizes before releasing the pool
+      for (int i : {1, 5, 6}) hb->complete_stream(S(i));
+    a.release_pool(7);
+    CHECK(a.stats().pools == 1);
+    a.deallocate(out, cs);
+    CHECK(a.stats().pools == 0);
+    CHECK(a.stats().pool_held == 0);
+    CHECK(a.check() == "");
+  }
+}

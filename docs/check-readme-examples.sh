@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# docs/check-readme-examples.sh BUILD_DIR: compiles the C++ and C examples of README.md (the
-# ```cpp and ```c blocks that define main) against include/ and BUILD_DIR's static library, with
-# warnings as errors, and runs them. Without a GPU they fall back to the host backend.
+# docs/check-readme-examples.sh BUILD_DIR: compiles the C++ and C examples of README.md and of
+# docs/*.md (the ```cpp and ```c blocks that define main) against include/ and BUILD_DIR's static
+# library, with warnings as errors, and runs them. Without a GPU they fall back to the host backend,
+# so every such example must run there. README.md must keep at least one C++ and one C example.
+# Blocks marked ```c++, ```cuda or ```python, and blocks without main(), are not compiled.
 set -euo pipefail
 root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
 build="$(cd "${1:?usage: $0 BUILD_DIR}" && pwd)"
@@ -15,24 +17,50 @@ san="$(sed -n 's/^VMM_SANITIZE:STRING=//p' "$build/CMakeCache.txt" 2>/dev/null |
 san_flags=""
 if [[ -n "$san" ]]; then san_flags="-fsanitize=${san//;/,}"; fi
 
-# Write each fenced block with a main() to $tmp/example<N>.<lang>.
-awk -v dir="$tmp" '
-  /^```(cpp|c)$/ { lang = substr($0, 4); buf = ""; inside = 1; next }
-  /^```/ && inside { if (buf ~ /int main\(/) { n++; f = dir "/example" n "." lang; printf "%s", buf > f; close(f) } inside = 0; next }
-  inside { buf = buf $0 "\n" }
-' "$root/README.md"
+# Writes each fenced block with a main() of markdown file $1 to $tmp/<tag>-<N>.<lang>, where <tag>
+# names the file (README, or docs-<name>), and records "<file>:<line>" of the block in <...>.where.
+extract() {
+  local md="$1" tag="$2"
+  awk -v dir="$tmp" -v tag="$tag" -v src="${md#"$root"/}" '
+    /^```(cpp|c)$/ { lang = substr($0, 4); buf = ""; inside = 1; start = NR; next }
+    /^```/ && inside {
+      if (buf ~ /int main\(/) {
+        n++; f = dir "/" tag "-" n "." lang
+        printf "%s", buf > f; close(f)
+        printf "%s:%d\n", src, start > (f ".where"); close(f ".where")
+      }
+      inside = 0; next
+    }
+    inside { buf = buf $0 "\n" }
+  ' "$md"
+}
 
-count=0
+extract "$root/README.md" README
+for md in "$root"/docs/*.md; do
+  [[ -e "$md" ]] || continue
+  name="$(basename "$md" .md)"
+  extract "$md" "docs-$name"
+done
+
+readme_cpp=0 readme_c=0 count=0
 # shellcheck disable=SC2086  # san_flags: zero or more words
-for f in "$tmp"/example*; do
-  [[ -e "$f" ]] || break
+for f in "$tmp"/*.cpp "$tmp"/*.c; do
+  [[ -e "$f" ]] || continue
+  where="$(cat "$f.where")"
   case "$f" in
-    *.cpp) c++ -std=c++20 -Wall -Wextra -Werror $san_flags -I"$root/include" "$f" "$lib" -ldl -lpthread -o "$f.bin" ;;
-    *.c)   cc -std=c11 -Wall -Wextra -Werror $san_flags -I"$root/include" "$f" "$lib" -lstdc++ -lm -ldl -lpthread -o "$f.bin" ;;
+    *.cpp) c++ -std=c++20 -Wall -Wextra -Werror $san_flags -I"$root/include" "$f" "$lib" -ldl -lpthread -o "$f.bin" \
+             || { echo "example at $where does not compile" >&2; exit 1; } ;;
+    *.c)   cc -std=c11 -Wall -Wextra -Werror $san_flags -I"$root/include" "$f" "$lib" -lstdc++ -lm -ldl -lpthread -o "$f.bin" \
+             || { echo "example at $where does not compile" >&2; exit 1; } ;;
   esac
-  echo "-- README example $(basename "$f"): compiled, running"
-  "$f.bin"
+  echo "-- example at $where: compiled, running"
+  "$f.bin" || { echo "example at $where exited with status $?" >&2; exit 1; }
+  case "$(basename "$f")" in
+    README-*.cpp) readme_cpp=$((readme_cpp + 1)) ;;
+    README-*.c) readme_c=$((readme_c + 1)) ;;
+  esac
   count=$((count + 1))
 done
-(( count >= 2 )) || { echo "expected at least 2 examples in README.md, found $count" >&2; exit 1; }
-echo "README examples: $count compiled and ran"
+(( readme_cpp >= 1 && readme_c >= 1 )) \
+  || { echo "README.md must keep a C++ and a C example with main(); found $readme_cpp C++, $readme_c C" >&2; exit 1; }
+echo "examples: $count compiled and ran ($readme_cpp C++ and $readme_c C from README.md)"

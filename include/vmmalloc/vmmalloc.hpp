@@ -65,7 +65,7 @@ class allocator {
   void record_stream(void* p, stream_t s);
   std::size_t usable_size(const void* p) const;
 
-  // ---- policies (see README "Policies") ----
+  // ---- policies (docs/policies.md) ----
   // Gives `device` access to every mapped chunk and every future one: one cuMemSetAccess per
   // contiguous mapped run. Throws vmm::error for the owner device, a device that cannot access
   // the owner, or a driver failure (then nothing changed).

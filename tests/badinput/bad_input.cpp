@@ -2,7 +2,7 @@
 // state is untouched (stats() equal before and after the bad call, check() == ""), and a normal
 // allocate/deallocate still works afterwards.
 //
-// What each case expects (the table the README should carry):
+// What each case expects (the table docs/errors.md carries):
 //   double free (small, large, huge)          invalid_pointer (vmm::error), VMM_ERROR_INVALID_POINTER
 //   free of a pointer never returned          invalid_pointer
 //   free of an interior pointer               invalid_pointer

@@ -1,5 +1,5 @@
-// vmm-demo: the README's first command. Compares vmmalloc with the allocators it replaces on a few
-// workload shapes and prints one table.
+// vmm-demo: what tools/run-demo runs (docs/tools.md). Compares vmmalloc with the allocators it
+// replaces on a few workload shapes and prints one table.
 //
 //   On a GPU (vmmalloc's CUDA backend loads AND cudart sees a device):
 //       vmmalloc (CUDA backend) vs cudaMalloc vs cudaMallocAsync (default pool, keep-all threshold)

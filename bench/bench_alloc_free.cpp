@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench_alloc_free: a warm allocate + free pair of one size in a tight loop, 1-16 threads sharing
 // one allocator. Sizes 256 B .. 1 GiB. Time per iteration = one pair (items/s = pairs/s).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared by the bench_* binaries: which allocator peers exist here (decided at run time, so one
 // binary runs on any machine), one factory per peer (RMM's BENCHMARK_CAPTURE style), and a
 // helper to strip our own flags before Google Benchmark sees argv.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench_growth: growing a buffer from OLD to 2 x OLD (default 1 GiB -> 2 GiB).
 //
 //   growth_copy/<peer>   allocate 2 x OLD, copy OLD bytes, free the old buffer: what cudaMalloc

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench_kvcache: the decode workload of a serving engine, on four KV-cache schemes.
 //
 // Workload: 64 sequence slots, always full. Each sequence has a random prompt (32-2048 tokens,

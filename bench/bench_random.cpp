@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // bench_random: RMM's random_allocations benchmark shape (rapidsai/rmm,
 // benchmarks/random_allocations): 2N steps; each step allocates (size uniform in [1, max] bytes)
 // with probability 0.73 while fewer than N allocations were made in total and live bytes stay under

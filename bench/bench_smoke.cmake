@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # bench_smoke: runs each bench binary on a small filtered set with a tiny min_time (a few seconds
 # in all) and fails if one exits non-zero or a benchmark reports an error. It proves the benches
 # run here; it is not a performance test.

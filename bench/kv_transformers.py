@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """transformers' generate() with DynamicCache, VmmCache (vmmalloc) and StaticCache, on a GPU.
 
 A Llama built from a LlamaConfig (16 layers, hidden 512, 8 heads, 4 KV heads of 64, bf16; random

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Real PyTorch processes under four CUDA allocators: peak memory, speed, and identical outputs.
 
 Every (model, allocator) pair runs in a process of its own (an allocator is chosen before the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # nvcc takes -std=c++20 from CUDA 12.0, but CMake releases before 3.25.2 (Debian 12 ships 3.25.1)
 # do not know that flag: there CUDA_STANDARD 20 adds nothing (nvcc's default, C++17, is used) and
 # the cuda_std_20 compile feature fails to generate. This teaches CMake the flag, with the values

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # docs/check-readme-examples.sh BUILD_DIR: compiles the C++ and C examples of README.md and of
 # docs/*.md (the ```cpp and ```c blocks that define main) against include/ and BUILD_DIR's static
 # library, with warnings as errors, and runs them. Without a GPU they fall back to the host backend,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The conformance suite: every backend runs these same cases (host always; CUDA when a device is
 // present). A Traits type supplies:
 //   static constexpr const char* name;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::growable_buffer on the host backend: pointer stability, contents across growth, physical
 // memory returned by shrinking, one driver round per growth, geometric growth, limits, rollback of
 // every failed step (fault injection), move semantics, and nothing left behind.

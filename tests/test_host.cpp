@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host backend: the conformance suite, plus what only the host backend can show in CI (the
 // driver's rules enforced, controllable fences, simulated peers, the C API, no-driver handling).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Header-only libraries of the tools: nlohmann-json (JSON in and out) and CLI11 (command lines).
 # The distro's packages first (nlohmann-json3-dev, libcli11-dev); on machines without them (the
 # GPU machines: no network, no distro packages) copies of their include trees under .deps/, which

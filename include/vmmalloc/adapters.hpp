@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc adapters: a vmm::allocator behind the interfaces other libraries take. Header-only.
 //
 //   vmm::pmr_resource       std::pmr::memory_resource, host-accessible memory only      always

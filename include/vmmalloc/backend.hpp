@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc backend contract: the only layer that talks to a driver or the OS. Public for people
 // who write backends; users of the allocator never need it.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc CUDA backend: the driver API, loaded at run time with dlopen("libcuda.so.1") +
 // cuGetProcAddress. The library has no link-time dependency on libcuda: one binary runs on a
 // machine without a GPU and reports "no CUDA driver" as an error, not a loader failure.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::device_vector<T>: a vector of trivially copyable T on a vmm::growable_buffer. data() never
 // changes for the vector's life: growing maps memory at the tail of its own reservation, nothing
 // is copied or moved, so pointers held by kernels stay valid across resize().

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc errors: what every layer returns (status, result) and what the C++ API throws.
 //
 //   status      a failure's kind, the driver's own code and name, and the operation that failed;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::growable_buffer: one buffer that grows and shrinks in place. data() never changes.
 //
 //   auto buf = vmm::growable_buffer::cuda(64ull << 30);  // reserves 64 GiB of VA, maps nothing

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc host backend: real host memory with the driver's semantics, so every layer above runs
 // without a GPU (CI). memfd chunks, PROT_NONE reservations, MAP_FIXED mappings, mprotect for
 // access, dup for export. Devices are simulated ids (0 = owner, others are peers); the CPU's page

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc IPC: export an allocation to another process and import it there.
 //
 //   producer                                     consumer

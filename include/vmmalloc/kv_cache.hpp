@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::kv_cache: a paged KV cache whose sequences stay virtually contiguous (vAttention's layout).
 //
 //   vmm::kv_cache_config c;

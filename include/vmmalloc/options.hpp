@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc options: the policy of one allocator. The table itself, with every default and what
 // it costs, is options.def; this header turns it into struct vmm::options, and gives the table's
 // rows to code that reads or writes options as text (set_option, describe, option_table).

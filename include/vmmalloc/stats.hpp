@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc statistics: what allocator::stats() and class_stats() report.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* vmmalloc C API: a growable GPU memory allocator on CUDA's virtual memory management API.
  *
  *   vmm_policy pol; vmm_policy_init(&pol);          // CUDA device 0 by default

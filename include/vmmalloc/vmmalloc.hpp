@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc: a growable GPU memory allocator on CUDA's virtual memory management API.
 // The C++ front end.
 //

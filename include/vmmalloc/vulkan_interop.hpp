@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc <-> Vulkan: external memory and external semaphores (opaque POSIX fds).
 //
 //   export   vmmalloc memory -> Vulkan   ctx.import_chunks(alloc.export_ipc(p))  VkBuffers over p's chunks

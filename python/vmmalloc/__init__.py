@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vmmalloc from Python: growable buffers and a paged KV cache on CUDA's virtual memory API.
 
     import vmmalloc

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Torch tensors over vmmalloc memory, through DLPack capsules made with ctypes.
 
 Why DLPack and not __cuda_array_interface__: PyTorch's import of the CUDA array interface asks the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Loading libvmmalloc.so (the C API of vmmalloc.h) and libvmmalloc_torch.so, binding them with
 ctypes, and turning a failed status into a Python exception carrying the C++ message.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vmmalloc.GrowableBuffer: one buffer that grows and shrinks in place (vmm::growable_buffer).
 
     buf = vmmalloc.GrowableBuffer(64 << 30)            # CUDA device 0: reserves 64 GiB of VA only

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vmmalloc as CuPy's device allocator.
 
     import vmmalloc.cupy as vc

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """VmmCache: a transformers Cache whose keys and values live in a vmmalloc KVCache.
 
     from vmmalloc.hf import VmmCache

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vmmalloc.KVCache: a paged KV cache whose sequences stay virtually contiguous (vmm::kv_cache).
 
     kv = vmmalloc.KVCache(layers=32, kv_heads=8, head_dim=128, max_seqs=64, max_tokens=4096)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """vmmalloc as PyTorch's CUDA allocator, and vmmalloc's stats from Python.
 
     import vmmalloc.torch as vt

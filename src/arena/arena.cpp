@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // arena: reservation, holes, chunk table, page map, idle-handle cache. See arena.hpp.
 #include "arena/arena.hpp"
 

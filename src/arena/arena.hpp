@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // arena: one reserved virtual range, a chunk table, mapping on demand.
 //
 // A chunk is one physical handle mapped by one backend map() call at one place in the

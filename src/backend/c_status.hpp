@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C API's status and thread-local last error, shared by every C entry point (the allocator's
 // in frontend/c_api.cpp, the growable buffer's and the KV cache's in their own folders), so
 // vmm_last_error() reports whichever call ran last on this thread. Internal: not installed.

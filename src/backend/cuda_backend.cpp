@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA backend: the driver's virtual memory management API, loaded at run time.
 //
 // No link-time dependency on libcuda: dlopen("libcuda.so.1") once per process, then every entry

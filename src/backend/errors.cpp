@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Errors shared by every layer (error.hpp): names, messages, the error category, the exceptions
 // and the thread's last error. Lives at the lowest layer because every layer returns a status.
 #include "vmmalloc/error.hpp"

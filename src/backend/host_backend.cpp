@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // host_backend: real host memory with the CUDA VMM semantics (see backend.hpp for the contract).
 // reserve = mmap(PROT_NONE, MAP_NORESERVE); create = memfd_create + ftruncate; map = mmap(MAP_FIXED,
 // fd) with PROT_NONE; set_access = mprotect; unmap = MAP_FIXED PROT_NONE anonymous remap (keeps the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // growable_buffer: one reservation, chunks mapped and unmapped at its tail. See growable_buffer.hpp.
 #include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/growable_buffer.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // allocator: the C++ front end.
 //
 // Locks, in the order they may be taken (never the reverse):

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How the front end's files name vmm::allocator's private state: allocator_access is the
 // allocator's friend, allocator_impl its impl (defined in allocator_impl.hpp).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The allocator's private state (vmm::allocator::impl): arena, heap, the lock that serialises
 // them, the registry of thread caches and the trace writer. Shared by the front end's files:
 //   allocator.cpp     construction, allocate / deallocate (fast and slow paths), policies, trim

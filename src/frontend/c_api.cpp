@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // C API over vmm::allocator. Exceptions never cross the boundary; every failure becomes a status
 // and the thread-local last error.
 #include "vmmalloc/vmmalloc.h"

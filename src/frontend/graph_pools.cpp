@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Graph pools (CUDA graphs; PyTorch's private pools). While a pool is begun, allocations on the
 // streams its filter accepts come from the pool's own heap; a block of a pool, freed during the
 // capture or after, returns to that heap; nothing of it goes to other work until the pool is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Options as text: options.def's rows with one parser and one writer per kind. Each parser writes
 // the member only once the whole value is read, so a bad value leaves the options as they were.
 #include "vmmalloc/options.hpp"

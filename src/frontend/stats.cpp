@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The allocator's diagnostics: stats() merges the heap's, the arena's and the thread caches'
 // counters; class_stats() and check() walk the metadata.
 #include "frontend/allocator_impl.hpp"

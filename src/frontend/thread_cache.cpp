@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Thread caches: registration, thread exit, flushing. See thread_cache.hpp.
 #include "frontend/thread_cache.hpp"
 

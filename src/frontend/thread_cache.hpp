@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Thread caches: per (thread, allocator) stacks of small slots, so the hot path takes no lock.
 // The protocol with the heap (slot states, refill, flush) is in heap/slabs.cpp; the fast paths
 // that pop and push are allocator::try_allocate / try_deallocate.

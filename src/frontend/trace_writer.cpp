@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // trace_writer: trace recording. See trace_writer.hpp.
 #include "frontend/trace_writer.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // trace_writer: records every allocation and free of an allocator (options.trace_path) in the
 // trace format that vmm-replay reads (v2, docs/trace-format.md).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block pool and page chains: no malloc per split on the hot path; free(p) finds its block
 // through the page map in O(1). See heap_impl.hpp.
 #include "heap/heap_impl.hpp"

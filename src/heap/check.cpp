@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // check(): walks all heap metadata and verifies the invariants written in heap.hpp.
 #include "heap/heap_impl.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // heap: the entry points (allocate, deallocate, trim, stats). The state and its operations are
 // split by concept; heap_impl.hpp says which file holds what.
 #include "heap/heap_impl.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc heap: sub-allocation over the arena. Three paths by size:
 //
 //   small  (<= options.small_max, default 64 KiB, alignment <= 256): size classes, each served

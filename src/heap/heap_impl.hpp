@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The heap's state: blocks, slabs, spans, free lists, stream tags, and the operations on them.
 // One struct, its members defined by concept:
 //   blocks.cpp   block pool and page chains (free(p) finds its block in O(1))

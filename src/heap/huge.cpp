@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Huge blocks: a dedicated chunk per allocation (sizes from options.huge_threshold, and every
 // allocation of an exportable policy), cached on free for a same-size request.
 #include "heap/heap_impl.hpp"

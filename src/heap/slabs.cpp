@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Small sizes: size classes served from slabs (one page carved into equal slots), and the
 // thread-cache protocol the front end uses to take and return slots without the heap lock.
 #include "heap/heap_impl.hpp"

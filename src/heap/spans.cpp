@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Spans of mapped VA: split and coalesce blocks, grow by mapping chunks, release wholly free
 // chunks (stitching their handles, the release threshold). See heap.hpp.
 #include "heap/heap_impl.hpp"

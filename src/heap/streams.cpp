@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Stream tags, fences and deferred frees: a block freed on stream S is reusable on S at once and
 // on another stream only once a fence recorded on S after the free has completed (queried, never
 // waited for on the allocation path). See heap.hpp for the rules.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Free lists of span blocks: TLSF good fit with a bounded exact-size scan first. See tlsf.hpp.
 #include "heap/heap_impl.hpp"
 

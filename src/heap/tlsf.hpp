@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // TLSF size mapping (two-level segregated fit): a size -> (first level, second level) list index
 // in O(1) with two bitmaps. 256-byte units: sizes < 8 KiB map linearly, above that 32 lists per
 // octave, so a list's blocks differ by at most 1/32 of their size.

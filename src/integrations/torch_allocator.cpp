@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libvmmalloc_torch.so: the C functions of vmmalloc_torch.h over one vmm::allocator per device.
 //
 // Allocators are created on first use under one mutex and published through an atomic pointer

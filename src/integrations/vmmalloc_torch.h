@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* libvmmalloc_torch.so: vmmalloc behind PyTorch's CUDAPluggableAllocator (and CuPy, via ctypes).
  *
  * One vmm::allocator per CUDA device, created on first use (thread-safe), stream-ordered, with

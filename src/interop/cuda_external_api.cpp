@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // external_api on the CUDA runtime (linked statically: it loads libcuda at run time, so a program
 // starts on a machine without a driver and gets errc::no_driver from the first call).
 #include <cuda_runtime.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // external_arena, external_semaphore, release_after: the CUDA side of Vulkan interop, written
 // against external_api only (no Vulkan headers, no CUDA runtime), so CI tests it on a fake.
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vk::context: a Vulkan device for interop, with the loader opened at run time (dlopen
 // "libvulkan.so.1" + vkGetInstanceProcAddr), so nothing links libvulkan. Every VkResult is checked;
 // a failure throws vmm::error naming the call and the result. This part opens the loader, picks

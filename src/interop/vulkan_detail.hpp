@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Private to src/interop: what the three parts of the Vulkan context share. The loader's function
 // table, the VkResult checks that throw vmm::error, and the objects behind the public handles
 // (context, buffer, semaphore, submission), each holding the context alive through shared_ptr.

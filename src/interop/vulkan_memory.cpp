@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vk::context's buffers: created (device-local, host-visible or exportable as an opaque fd),
 // exported, and imported from an fd or from every chunk of a vmmalloc IPC handle. The fd rule: an
 // fd given is always still the caller's; the library imports a dup, which Vulkan owns once the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vk::context's synchronisation: binary and timeline semaphores (exportable as opaque fds),
 // submissions (one command buffer and a fence each, waited with time limits; one that never ends is
 // left allocated and freezes teardown rather than free what the GPU may still use), and the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc IPC, the handle: export_handle's ownership of its fds, the field checks every part
 // shares, and the fixed little-endian byte layout (see include/vmmalloc/ipc.hpp). Pure: no
 // sockets, no backend. transport.cpp sends and receives it, import.cpp maps it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc IPC, import: an export handle mapped into a reservation of exactly its chunks' size,
 // all or nothing, through any backend (import_cuda makes the CUDA one); `imported` unmaps,
 // releases and frees it again.

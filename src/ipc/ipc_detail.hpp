@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Private to src/ipc: what the handle, transport and import parts share. The handle part
 // (handle.cpp) defines these; the wire format's sizes live here because the transport bounds a
 // frame by them.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmmalloc IPC, the transport: unique_fd, peer credentials (SO_PEERCRED), a handle sent over a
 // Unix socket as one frame with its fds attached (SCM_RIGHTS, in batches), socket pairs, and the
 // listener / connect pair for a named socket. The handle's bytes come from handle.cpp.

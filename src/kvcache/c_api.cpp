@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // C API over vmm::kv_cache (vmmalloc.h, "KV cache"). Exceptions never cross the boundary: every
 // failure becomes a status and the thread-local last error shared with the allocator's C API,
 // carrying the C++ exception's message. vmm::kv_cache is thread-safe itself: no lock here.

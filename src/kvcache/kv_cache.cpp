@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kv_cache: one reservation, per-(layer, K|V) buffers, pages mapped per sequence, a handle pool and
 // an optional map-ahead thread. See kv_cache.hpp for the layout and the contract.
 #include "vmmalloc/cuda_backend.hpp"

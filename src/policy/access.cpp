@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Access policy (options.device, options.peers, options.location): who may touch the memory. The
 // owner gets read_write, pinned host memory (host_numa) the CPU too, and each peer its mode, on
 // every mapping with one set_access per mapped range (the driver's cost is per call, not per

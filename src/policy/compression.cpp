@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Compression policy (options.compression): compressible chunks are never mixed with plain ones.
 // The driver treats compression as a hint, so what it granted is read back after every create and
 // map (one cuMemGetAllocationPropertiesFromHandle, only when compression was asked for).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // IPC policy (options.ipc): exportable chunks. Every allocation owns whole chunks, so an export
 // never shares a neighbour's bytes (placement). Fabric handles need an IMEX channel: where the
 // device or the driver refuses them, POSIX fds are used instead, as NCCL does (counted).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The policy list and the create hook chain. See policy.hpp.
 #include "policy/policy.hpp"
 

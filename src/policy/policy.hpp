@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Policies: how chunks are made, who may access them, how allocations are placed. Each policy is
 // one file here and one row (or a few) of the options table, called by the arena at fixed hooks:
 //

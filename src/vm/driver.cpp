@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vm::driver: counting. See driver.hpp.
 #include "vm/driver.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vm::driver: the backend with every call counted, in one place. Everything above the backend
 // (arena, heap fences, growable_buffer, kv_cache, IPC import) calls the driver through this.
 //

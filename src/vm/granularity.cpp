@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vm::granularity_for. See granularity.hpp.
 #include "vm/granularity.hpp"
 

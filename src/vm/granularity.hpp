@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vm::granularity_for: the unit every size and address of a mapping is rounded to, for memory
 // that one device owns and others access. It is the largest granularity among the devices (each
 // must be able to map every chunk); a device that cannot access the owner is refused here, before

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vm::mapping: the one rollback rule. See mapping.hpp.
 #include "vm/mapping.hpp"
 

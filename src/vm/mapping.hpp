@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vm::mapping: create -> map -> set_access with one rollback rule, and one way to keep what a
 // refused rollback leaves behind.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vm::reservation: one reserved virtual range, owned. Freed whole on destruction (retried once:
 // teardown cannot report errors). Reserving is nearly free (~3 us for 64 TiB on an H200), so
 // every user reserves its whole range once and never moves it: that is what keeps pointers stable.

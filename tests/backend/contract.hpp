@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The backend contract suite: every rule of the contract in include/vmmalloc/backend.hpp (R1-R10),
 // checked through backend_iface, the way every layer above sees a backend. Each case names its
 // rule. Optional parts are checked both ways: with the capability bit the part must work, without

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The backend contract (contract.hpp) on the CUDA backend: the driver's own rules, checked through
 // the same cases the host backends pass. The CPU never touches device memory here: contents are
 // written and checked by kernels (gpu_util.cuh), access is read back with cuMemGetAccess, busy

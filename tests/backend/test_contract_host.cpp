@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The backend contract (contract.hpp) on the backends a machine without a GPU has: the host
 // backend, the fault-injecting decorator over it with nothing armed (a decorator must not change
 // the contract), and a backend with only the core, wrapped by make_backend (the wrapper must answer

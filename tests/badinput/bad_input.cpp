@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Bad input: each misuse gives a clear error (or the documented no-op), the allocator's
 // state is untouched (stats() equal before and after the bad call, check() == ""), and a normal
 // allocate/deallocate still works afterwards.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The growable buffer's and the KV cache's C API (vmmalloc.h), from C, on the host backend:
  * NULL checks, statuses and the last error (the C++ messages), failed calls that change nothing,
  * the documented address arithmetic, and the backend's live objects back to zero (no leak). */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Stream capture (CUDA graphs) on the host backend, whose capture model follows the driver's rules:
 // an event op on a capturing stream invalidates the capture, and a call the driver counts as
 // unsafe invalidates the captures that prohibit it unless the calling thread is in relaxed mode.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The thread cache's large block: a thread keeps the large (or huge) block it freed last for its
 // next request of that size, without the lock. Correctness around it: reuse, cross-thread frees,
 // double frees, record_stream, trim, thread exit, stats; and many threads at once (TSan tree).

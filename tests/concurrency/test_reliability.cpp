@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Reliability under concurrency and pressure, on the host backend (CI runs these in the plain,
 // ASan and TSan trees):
 //   * options.memory_limit is a hard cap: peak_physical <= memory_limit with many threads

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Concurrency stress: every public call at once, from many threads, for a bounded time, on the
 // host backend; with and without options.memory_limit.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Targeted fault-injection cases: regression tests for what the sweep found (the minimal
 // reproducers, kept; fixed in c4a0b53), stream-fence faults the sweep cannot observe (its streams
 // are never held), and the C API.

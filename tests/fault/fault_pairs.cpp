@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Combined faults: a second refusal inside the rollback of the first (fault_state::arm_then).
 //
 //   * targeted allocator cases that look at what a refused rollback leaves behind (strays) while

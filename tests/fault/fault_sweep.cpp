@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fault-injection sweep.
 //
 // Two scripted workloads (workload.hpp) are run once unarmed to count the backend calls of each

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Content patterns for the fault sweep and the stress program: every block is filled with bytes
 // derived from its id and checked when it is freed, so a block handed out twice, an overlap, a
 // stale mapping or a wrong unmap shows up as a mismatch.

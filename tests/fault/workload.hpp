@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The scripted, deterministic workload of the fault sweep, and a runner that executes it on a
 // fresh allocator over a fault-injecting host backend, checking after every step.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: bytes -> a sequence of allocator operations on the host backend, with every
 // invariant checked after each one. Build: tools/run-fuzz (clang++ -fsanitize=fuzzer,address,undefined).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // doctest main of the GPU test programs. Exits 77 (ctest: skipped) when there is no CUDA device or
 // no CUDA driver, after saying why; otherwise runs the cases like any doctest program.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels and host wrappers of the GPU tests; see gpu_util.cuh.
 #include "gpu_util.cuh"
 

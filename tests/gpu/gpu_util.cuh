@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU test helpers: pattern kernels, device checks, a pool of real streams.
 //
 // This header is plain C++ (host declarations only) so the doctest sources can be compiled by the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA stream capture and graph pools on a real device: what PyTorch's CUDA graphs do to an
 // allocator. For every capture mode (global, thread-local, relaxed), a cold allocator (nothing
 // mapped: the capture grows it) and a warm one (its memory mapped and free), and every size path

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The conformance suite (tests/conformance.hpp) on the CUDA backend: real device memory, patterns
 // written and checked by kernels, real non-blocking streams. main() is gpu_main.cpp: without a
 // device this program exits 77.

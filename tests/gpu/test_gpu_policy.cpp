@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU tests of the policies. main() is gpu_main.cpp: without a device this exits 77.
 //
 //   compression  require: kernels write and read compressible memory; stats count its bytes

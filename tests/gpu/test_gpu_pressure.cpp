@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU memory pressure on the CUDA backend. main() is gpu_main.cpp: without a device this program
 // exits 77.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU-only tests: what the host backend cannot show. main() is gpu_main.cpp: without a device
 // this program exits 77.
 //

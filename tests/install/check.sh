@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # tests/install/check.sh BUILD_DIR: install a built vmmalloc tree into a temporary prefix, check what
 # an adopter finds there, and build consumers against it the ways a user would, with no flags of
 # their own (no -std, no include or library paths beyond what the package gives):

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Consumer check, C API: allocate, write, free on the host backend; bad input is reported and
  * leaves the allocator intact. */
 #include <stdio.h>

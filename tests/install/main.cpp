@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Consumer check, C++ API: allocate, write, free on the host backend; bad input is reported and
 // leaves the allocator intact. Built with no standard flag of its own: the C++20 comes from the
 // installed target (CMake) or from pkg-config's cxxflags variable.

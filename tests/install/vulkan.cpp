@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Consumer check, Vulkan interop: vulkan_interop.hpp's functions resolve from the installed
 // libraries (vmmalloc::vulkan and the vmmalloc::interop_core it brings). Nothing needs a GPU or a
 // Vulkan loader: the CUDA runtime's external_api is created, not used.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::cuda_resource against the cuda::mr concepts of whichever CCCL is on the include path, and
 // over a host-backend allocator (streams are tags there). Included by test_integrations_cccl.cpp
 // (the toolkit's CCCL) and test_integrations_cccl_standin.cpp (CCCL 3.1's interface, stand-in).

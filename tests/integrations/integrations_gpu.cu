@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels and thrust calls of the integrations GPU test; see integrations_gpu.cuh. Compiled as
 // C++20 (vmmalloc's headers need it) by nvcc.
 #include "integrations_gpu.cuh"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels and thrust calls of the integrations GPU test (integrations_gpu.cu, nvcc, C++20),
 // declared for the doctest source (host compiler). Every CUDA call inside is checked with
 // GPU_CHECK (abort with the call, file:line and the runtime's error text).

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """CuPy on vmmalloc (cupy.cuda.set_allocator through tools/python/vmmalloc_cupy.py), on a GPU.
 
 A matmul, an FFT, reductions and elementwise kernels, on the default stream and on a side stream,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CCCL adapters compiled by the host compiler against the toolkit's CCCL (CI, no GPU):
 // vmm::cuda_resource meets the cuda::mr concepts of that CCCL's form (cuda_mr_cases.hpp: 3.0's
 // async_resource_with or 3.1+'s resource_with), vmm::thrust_allocator meets what

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::cuda_resource in CCCL 3.1+'s form (allocate_sync, stream-first allocate, resource_with),
 // compiled in CI against a STAND-IN for CCCL 3.1's headers (cccl31_standin/, see its README.md):
 // the toolkit here has CCCL 3.0, and no Debian or npm package has 3.1+. The stand-in declares the

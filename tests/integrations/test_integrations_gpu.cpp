@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GPU cases of the adapters and device_vector (doctest, host compiler; kernels and thrust in
 // integrations_gpu.cu). main() is tests/gpu's: exit 77 without a device or driver.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::device_vector<T> and vmm::pmr_resource on the host backend (CI, no GPU).
 //
 // This TU is compiled WITHOUT the CUDA include path: adapters.hpp must compile without CCCL, and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // NCCL over vmmalloc memory: buffers from an exportable policy (POSIX fd handles, chunks of the
 // recommended granularity, peers granted) register with ncclCommRegister, and an all-reduce (sum)
 // over them gives the right values on every device. One process, up to two GPUs (ncclCommInitAll).

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """vmmalloc as PyTorch's allocator: tensors, streams, out of memory, stats, trim, peers (GPU).
 
 Exit 0: passed. 77: no torch or no CUDA device. 1: a failure (each check is printed).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The PyTorch extension's logic (src/integrations/torch_ext/vmm_torch_ext.cpp) in CI, without
 // PyTorch: the extension is compiled against stand-ins of the two PyTorch headers it uses
 // (torch_stub/, PyTorch 2.11's declarations; a second program with the older MemPool forms) and

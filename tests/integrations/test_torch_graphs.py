@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """CUDA graphs with vmmalloc as PyTorch's allocator, process-wide, through libvmmalloc_torch_ext.so.
 
 The same deterministic workload runs twice, each in a process of its own: under PyTorch's own

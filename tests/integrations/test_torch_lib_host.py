@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """libvmmalloc_torch.so through tools/python/vmmalloc_torch.py on vmmalloc's host backend.
 
 Runs in CI without a GPU or torch: the ctypes bindings, the stats dict, trim / reset_peaks /

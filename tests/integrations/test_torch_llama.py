@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """A small Llama trained and sampled under PyTorch's allocator and under vmmalloc: same numbers.
 
 Runs the same workload twice, each in a fresh process (an allocator can only be chosen before the

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """MemPool mode: PyTorch's own allocator serves the process, vmmalloc serves one region of it.
 
     pool = vmmalloc.torch.mem_pool()     # torch.cuda.MemPool(CUDAPluggableAllocator(...).allocator())

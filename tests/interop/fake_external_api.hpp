@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A fake external_api over host memory, for the host tests of external_arena / external_semaphore.
 //
 // Streams are tags. A fence recorded on a stream is pending while that stream is held (hold /

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host tests of the Vulkan interop's CUDA side (external_arena, external_semaphore, release_after)
 // over a fake external_api: sub-allocation, stream-ordered reuse, the fd rule, teardown order,
 // argument validation. No GPU, no Vulkan.

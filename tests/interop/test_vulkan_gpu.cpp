@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA <-> Vulkan on the GPU: vmmalloc memory written by Vulkan and read by CUDA (export), Vulkan
 // memory adopted as a CUDA arena (import, dedicated and not), binary semaphores both ways, and a
 // timeline semaphore holding a freed block back from other streams until Vulkan signals.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Vulkan side of the interop alone, on the first Vulkan device (any vendor, lavapipe too):
 // buffers, opaque-fd export and re-import, timeline semaphores, submissions, argument checks.
 // Exits 77 without a loader or a device.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared by the Vulkan test programs: a doctest main that opens the Vulkan context first and exits
 // 77 (ctest: skipped) with the reason when there is none. VMM_VK_REQUIRE=1 turns that skip into a
 // failure (for runs on the GPU machine, where a skip would hide a broken setup).

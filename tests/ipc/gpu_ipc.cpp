@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // test_gpu_ipc: two processes share GPU memory through vmmalloc's IPC.
 //
 //   test_gpu_ipc [--consumer-device=D] [--ipc=posix_fd|fabric] [--iterations=N]

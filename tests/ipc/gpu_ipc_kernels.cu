@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels of the IPC GPU test: pattern fill and verify (see gpu_ipc_kernels.cuh).
 #include <cuda_runtime.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels and CUDA runtime helpers of the IPC GPU test (plain C++ declarations; gpu_ipc_kernels.cu
 // holds the kernels). Every call is checked: a failure prints the call, file:line and the
 // runtime's error, and exits 1 (a CUDA error in a test leaves nothing to recover).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm_ipc_helper PATH SEED REPLY_SEED: the exec'd consumer of the fork + exec test.
 // Connects to PATH, receives one handle, imports it on a host backend, checks the pattern of SEED,
 // writes the pattern of REPLY_SEED, closes the import, checks that nothing is left (backend live

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers of the IPC tests: patterns, fd and inode accounting through /proc, forked children that
 // can never hang the run (alarm + bounded wait + SIGKILL), and an exporter that builds handles from
 // host_backend chunks directly (what allocator::export_ipc does for an allocation).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // IPC through vmm::allocator::export_ipc on the host backend: what the handle holds, byte
 // identity, bad pointers, the security property (the importer maps the exported allocation's own
 // chunks and nothing else), and the exporter freeing while an importer maps.

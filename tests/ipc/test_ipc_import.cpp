@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // IPC import on the host backend: exact reservation, one set_access, rollback of every step, and
 // the multi-process cases (fork over a socketpair and a named socket, exporter frees first,
 // importer killed with SIGKILL, peer refused, fork + exec of a helper).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // IPC handle serialisation: round trips, byte identity, and every malformed input refused.
 #include <doctest/doctest.h>
 

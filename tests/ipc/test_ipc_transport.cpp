@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // IPC transport in one process: SCM_RIGHTS frames, fd batching, SO_PEERCRED policy, and every
 // receive error closing the fds it got (fd counts back to baseline).
 #include <doctest/doctest.h>

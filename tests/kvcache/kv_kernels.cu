@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels of the kv_cache GPU test; see kv_kernels.cuh.
 #include "kv_kernels.cuh"
 

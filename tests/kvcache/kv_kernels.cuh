@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels of the kv_cache GPU test: write and check K/V tokens the way attention code addresses
 // them. Plain C++ declarations (the doctest source is compiled by the host compiler); the kernels
 // are in kv_kernels.cu. Every CUDA call is checked (GPU_CHECK from tests/gpu: aborts with the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::kv_cache on the CUDA backend. main() is tests/gpu/gpu_main.cpp: without a device this
 // program prints why and exits 77.
 //

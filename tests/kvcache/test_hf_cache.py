@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """vmmalloc.hf.VmmCache against transformers' DynamicCache, on a GPU (and once on the CPU).
 
 A small Llama from a LlamaConfig (random weights from a fixed seed, nothing downloaded) generates

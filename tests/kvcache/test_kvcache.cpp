@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm::kv_cache on the host backend: layout and strides, pages mapped as sequences grow, the handle
 // pool (reuse without create, trim), errors with state intact, fault injection on every mapping
 // step (rollback, no leaks), a random workload checked against a model (mapped pages, pool counts,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // options.def and what is generated from it: set_option / describe round trips and refusals,
 // README.md's options table, the C API's vmm_policy mapping, libvmmalloc_torch's environment.
 // Every case walks the table, so a new row is tested without touching this file.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # tests/python/install_check.sh BUILD_DIR PYTHON: installs a built tree into a temporary prefix and
 # imports the installed vmmalloc package from outside the sources, with no VMMALLOC_* variable:
 # its generated _paths.py must lead it to the installed libvmmalloc.so and libvmmalloc_torch.so.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """bench/real_models.py without torch or a GPU: the comparison of outputs, the report's tables,
 the workloads' sizes, and the driver end to end over stand-in workers (REAL_MODELS_FAKE): runs
 that fail, hang or differ are reported and the suite keeps going."""

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The vmmalloc Python package (python/vmmalloc/) on the host backend: no GPU, no torch needed.
 
 GrowableBuffer and KVCache semantics (growth keeps the pointer and the contents, capacity limits,

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """vmm-plot and vmm-replay --samples, end to end (host only).
 
 1. vmm-plot on the trace: the SVG parses as XML, holds the one live series, and its peak marker

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Runs vmm-replay on the shared trace and asserts: exit 0, the table and the
 # "peak mapped / peak live" line for vmmalloc are printed, and the JSON has both allocators.
 # (A plain add_test with PASS_REGULAR_EXPRESSION would ignore the exit code.)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # vmm-replay's error paths: a malformed line exits 2 naming file:line; a failed allocation (vmmalloc
 # rejects size 0, a request the trace may legally hold) exits 3 naming the event and its line.
 execute_process(COMMAND ${REPLAY} ${SRC}/bad-trace.txt --allocators vmmalloc

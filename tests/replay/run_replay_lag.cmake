@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # The GPU running behind the CPU (vmm-replay --lag on the host backend: fences complete only up to
 # 10,000 events late) must cost little memory: memory freed on a stream serves that stream's next
 # requests while its fences are pending. Asserts peak mapped / peak live <= MAX_RATIO with the

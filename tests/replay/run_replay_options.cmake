@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # vmm-replay --option NAME=VALUE: parsed by vmm::set_option and applied to vmmalloc.
 #   bad name / bad value / no '=' -> exit 2 with set_option's message
 #   release_threshold=0 -> the freed chunks are released (the default keeps them mapped)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # vmm-replay on a small v2 trace (threads-trace.txt): one replay thread per recorded thread, with
 # and without --lag, and --threads one; the JSON says what ran. Host backend only.
 function(replay_json out_var)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm-stress: N threads x M random operations on one allocator over the host backend.
 //
 //   vmm-stress [--threads N] [--ops M] [--max-size BYTES] [--seed S] [--streams K]

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // fault_backend: a vmm::backend_iface decorator for tests. Header-only.
 //
 //  * Forwards every call to an inner backend (normally a host_backend).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A host-backend allocator together with its backend, whose test controls (hold_stream,
 // complete_stream, live counts, access_of) the allocator does not expose.
 #pragma once

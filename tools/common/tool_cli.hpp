@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Command-line conventions shared by the tools (vmm-replay, vmm-plot, vmm-info, vmm-demo), on top
 // of CLI11: --help prints to stdout and exits 0; a usage error prints "TOOL: what" and a hint on
 // stderr and exits 2 (the tools' exit code for bad usage).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm-demo: what tools/run-demo runs (docs/tools.md). Compares vmmalloc with the allocators it
 // replaces on a few workload shapes and prints one table.
 //

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # vmm-info --json: one line of valid JSON, with or without a GPU; its host backend part is checked
 # field by field (string(JSON) fails on malformed JSON and on a missing key).
 execute_process(COMMAND ${INFO} --json RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)

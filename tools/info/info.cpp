@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm-info: what this machine offers vmmalloc. Per CUDA device: name, memory, VMM-related
 // attributes, allocation granularities for the property sets vmmalloc uses, and peer access.
 // Without a usable driver/device it says why and describes the host backend instead.

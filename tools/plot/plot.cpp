@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm-plot: memory over a trace's event index, as one self-contained SVG.
 //
 //   vmm-plot INPUT... -o OUT.svg [--title TEXT] [--samples N] [--width PX] [--height PX]

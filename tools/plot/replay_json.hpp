@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm-plot's reader of vmm-replay's JSON (written with --samples N --json FILE; shape in
 // tools/replay/README.md). Parsing is nlohmann-json's: full JSON, \u escapes (surrogate pairs
 // included) decode to UTF-8; byte counts are read as numbers (exact up to 2^53 as doubles, 8 PiB).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The old name of vmmalloc.cupy (python/vmmalloc/cupy.py): `import vmmalloc_cupy` gives that
 module itself."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The old name of vmmalloc.torch (python/vmmalloc/torch.py): `import vmmalloc_torch` gives that
 module itself, so its functions and state are shared with `import vmmalloc.torch`."""
 

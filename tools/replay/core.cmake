@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # The trace parser and the allocator peers, shared by vmm-replay, vmm-demo and bench/. Included
 # from each of those directories (tools may be off while bench is on); defines the target once.
 include_guard(GLOBAL)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm-replay --lag on the CUDA backend: a kernel that holds a stream back until the replay has
 // moved N events further (see make_cuda_lag in replay_pass.hpp). One thread, polling the host's
 // counter across the bus every ~2 us: it occupies one SM slot per stream while it waits, nothing

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The gate kernel behind make_cuda_lag() (replay_pass.hpp), compiled by nvcc in cuda_lag.cu; this
 // header is plain C++ for the host code.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Allocator peers: one small adapter per allocator, shared by vmm-replay, vmm-demo and the
 // benchmarks, each made by its own factory (RMM's BENCHMARK_CAPTURE style). A peer never throws
 // from allocate/deallocate: it returns null/false and error() says why, so a harness can report

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PyTorch's CUDA caching allocator as a peer: raw_alloc_with_stream / raw_delete, the calls
 // PyTorch's own tensors end up in. Built only with -DVMM_WITH_TORCH=ON when find_package(Torch)
 // succeeds (VMM_REPLAY_TORCH). UNTESTED: no libtorch was available where this was written; it

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vmm-replay: replays an allocation trace through several allocators in one run and prints, for
 // each, ns per event and how much memory it held against what was live.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One replay pass of a parsed trace through one peer: the loop vmm-replay times, shared by its
 // warm-up, timed and sampling passes (and tests/replay/test_threaded_replay.cpp).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Memory over the event index, cut down to a few samples for plotting (vmm-replay --samples,
 // vmm-plot). A timeline is made from per-event values (one value after every event of a trace)
 // by keeping at most max_samples evenly spaced samples, each the MAXIMUM of its series over the

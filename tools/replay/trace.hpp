@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Allocation traces (format: docs/trace-format.md), parsed whole into memory before any replay, so
 // the timed loop does vector indexing only. Two versions:
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libvmmalloc_torch_ext.so: vmmalloc as PyTorch's CUDA allocator WITH the hooks that PyTorch's
 // CUDAPluggableAllocator only takes from C++ (torch/csrc/cuda/CUDAPluggableAllocator.h):
 //   set_begin_allocate_to_pool / set_end_allocate_to_pool_fn / set_release_pool

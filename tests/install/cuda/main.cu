@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Consumer check, nvcc: vmmalloc's C++ headers and the cuda::mr adapter in a .cu file. It runs on
 // the host backend and makes no CUDA call (the kernel is compiled, never launched): no GPU needed.
 static_assert(__cplusplus >= 202002L, "nvcc did not compile this as C++20: cuda_std_20 did not reach it");

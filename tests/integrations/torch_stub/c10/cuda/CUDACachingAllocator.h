@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A stand-in for the part of PyTorch's c10/cuda/CUDACachingAllocator.h that
 // src/integrations/torch_ext/vmm_torch_ext.cpp uses, so the extension's logic builds and runs in CI
 // without PyTorch (test_torch_ext_stub.cpp). Declarations follow PyTorch 2.11's; with

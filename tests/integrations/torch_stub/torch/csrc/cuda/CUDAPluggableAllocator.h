@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A stand-in for PyTorch 2.11's torch/csrc/cuda/CUDAPluggableAllocator.h (the members the
 // extension uses, with PyTorch's signatures). Its hooks are public here so the test can play
 // PyTorch's part (in PyTorch they are protected and called by CUDAGraph, MemPool, recordStream).

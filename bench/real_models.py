@@ -29,7 +29,7 @@ Per run: peak held (caching, expandable: torch.cuda.max_memory_reserved; cudaMal
 pool's reserved high water from torch.cuda.memory_stats, else cuMemPoolGetAttribute(
 RESERVED_MEM_HIGH) on the default pool; vmmalloc: stats peak_physical), peak allocated
 (torch.cuda.max_memory_allocated, which counts PyTorch's rounded block sizes; cudaMallocAsync: the
-pool's used high water; vmmalloc: peak_requested, the bytes asked for), their ratio, the step in
+pool's used high water; vmmalloc: peak_allocated, its block sizes with what its thread caches hold), their ratio, the step in
 which the held peak was reached, peaks per phase (init, train, generate), median training step
 time, generate time, process wall time, and the device memory in use (cudaMemGetInfo, sampled
 after every step: an allocator-independent cross-check). For vmmalloc also where its memory sat:
@@ -96,7 +96,7 @@ ALLOC_CONF = {"caching": None, "expandable": "expandable_segments:True", "async"
 HELD_SOURCE = {"caching": "torch.cuda.max_memory_reserved", "expandable": "torch.cuda.max_memory_reserved",
                "async": "pool ReservedMemHigh", "vmmalloc": "stats peak_physical"}
 ALLOC_SOURCE = {"caching": "torch.cuda.max_memory_allocated", "expandable": "torch.cuda.max_memory_allocated",
-                "async": "pool UsedMemHigh", "vmmalloc": "stats peak_requested"}
+                "async": "pool UsedMemHigh", "vmmalloc": "stats peak_allocated"}
 VMM_AT_PEAK = ("peak_physical", "physical", "requested", "allocated", "mapped", "idle", "free_chunk_bytes",
                "slab_bytes", "deferred", "live")
 
@@ -354,8 +354,8 @@ def markdown(result):
             "%.2f" % r["train_s"] if r.get("train_s") is not None else "-",
             "%.2f" % r["generate_s"] if r.get("generate") else "-",
             r.get("wall_s", 0.0), outputs_cell(r, comps)))
-    lines += ["", "Held: %s. Allocated: %s (PyTorch counts its rounded block sizes, vmmalloc the bytes asked "
-                  "for, sampled on its slow path: it can miss what its thread caches hold). Held vs caching: peak held / the caching allocator's for the same model. Run s: the "
+    lines += ["", "Held: %s. Allocated: %s (PyTorch counts its rounded block sizes, vmmalloc its block sizes "
+                  "(256-byte units, slab slots) with the blocks its thread caches hold). Held vs caching: peak held / the caching allocator's for the same model. Run s: the "
                   "process, imports included." % (
                       "; ".join("%s %s" % (LABEL[a], HELD_SOURCE[a]) for a in ALLOCATORS),
                       "; ".join("%s %s" % (LABEL[a], ALLOC_SOURCE[a]) for a in ALLOCATORS))]
@@ -459,7 +459,7 @@ class Probe:
         t = self.torch
         if self.allocator == "vmmalloc":
             s = self.vt.stats(self.dev.index or 0) or {}
-            return {"held": s.get("peak_physical"), "allocated": s.get("peak_requested"),
+            return {"held": s.get("peak_physical"), "allocated": s.get("peak_allocated"),
                     "held_now": s.get("physical"), "allocated_now": s.get("requested"), "vmm": s}
         if self.allocator == "async":
             held = alloc = held_now = alloc_now = None

@@ -264,6 +264,36 @@ TEST_CASE("streams: memory freed on S while S runs behind serves S's next growth
   CHECK(hb->live_mappings() == 0);
 }
 
+TEST_CASE("streams: a freed huge block larger than S's next request serves it while S runs behind") {
+  // Training with varying shapes: a 96 MiB activation freed, a 70 MiB one asked for on the same
+  // stream while the GPU is still behind. Its handle is mapped whole for the request (retired):
+  // no new memory, where skipping the larger chunk created 70 MiB more.
+  vmm::options o = conf::small_options();
+  o.huge_threshold = 32 * MiB;
+  o.thread_cache_large = false;  // the heap's path, not this thread's cached block
+  auto [hb, a] = vmm::test::make_host_alloc(o);
+  auto s1 = host_traits::stream(1);
+  void* big = a.allocate(96 * MiB, 0, s1);
+  host_traits::fill(big, 96 * MiB, 7);
+  hb->hold_stream(s1);  // S1's kernels on `big` still run
+  a.deallocate(big, s1);
+  const auto before = a.stats();
+  void* p = a.allocate(70 * MiB, 0, s1);
+  const auto after = a.stats();
+  CHECK(after.chunks_retired > before.chunks_retired);
+  CHECK(after.physical == before.physical);  // the freed block's memory, nothing created
+  CHECK(after.peak_physical == before.peak_physical);
+  host_traits::fill(p, 70 * MiB, 9);
+  CHECK(host_traits::verify(p, 70 * MiB, 9));
+  CHECK(a.check() == "");
+  hb->complete_stream(s1);
+  a.deallocate(p, s1);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(a.stats().retiring == 0);
+  CHECK(hb->live_mappings() == 0);
+}
+
 TEST_CASE("streams: small blocks freed on another stream wait for that stream's fence") {
   vmm::options o = conf::small_options();
   o.thread_cache = false;  // the heap's own rules, slot by slot

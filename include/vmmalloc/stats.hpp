@@ -23,9 +23,11 @@ struct driver_counts {
   }
 };
 
-// Current values are exact. Peaks of requested/allocated are exact with options.thread_cache off;
-// with thread caches they are sampled on the slow path and may miss up to the bytes the caches
-// hold. Peaks of mapped/physical (the memory figures) are always exact.
+// Current values are exact. Peaks of requested/allocated are exact with options.thread_cache off.
+// With thread caches, peak_allocated counts what the caches hold as allocated (an upper bound,
+// like PyTorch's rounded block sizes), and peak_requested is sampled on the slow path: it misses
+// what goes through the caches alone (a large block reused by one thread is never seen there).
+// Peaks of mapped/physical (the memory figures) are always exact.
 struct allocator_stats {
   // bytes: current and peak
   std::size_t requested = 0, allocated = 0, mapped = 0, physical = 0, reserved = 0;

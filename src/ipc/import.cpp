@@ -59,11 +59,12 @@ status imported::close() noexcept {
   };
   // Each call is made once more if refused (as every teardown does): one refusal must not leak.
   std::uintptr_t va = base_;
-  for (const auto& [h, n] : handles_) {  // one unmap per map() made
-    keep(vm::driver::twice([&] { return b_->unmap(va, n); }));
-    va += n;
+  // Pairs, not structured bindings: clang 14 (the fuzz build) cannot capture a binding.
+  for (const auto& hn : handles_) {  // one unmap per map() made
+    keep(vm::driver::twice([&] { return b_->unmap(va, hn.second); }));
+    va += hn.second;
   }
-  for (const auto& [h, n] : handles_) keep(vm::driver::twice([&] { return b_->release(h); }));
+  for (const auto& hn : handles_) keep(vm::driver::twice([&] { return b_->release(hn.first); }));
   if (mapped_) keep(vm::driver::twice([&] { return b_->free_reservation(base_, mapped_); }));
   handles_.clear();
   b_ = nullptr;
@@ -168,8 +169,8 @@ status try_import(backend_iface& b, export_handle&& hin, const import_options& o
     } else {
       txn.rollback();
       if (!m.handles_.empty() && i < h.chunks.size())  // an import failed: nothing was mapped yet
-        for (const auto& [mh, n] : m.handles_)
-          if (!vm::driver::twice([&] { return d.release(mh); }).ok()) left.add_handle(mh, n);
+        for (const auto& hn : m.handles_)
+          if (!vm::driver::twice([&] { return d.release(hn.first); }).ok()) left.add_handle(hn.first, hn.second);
       m.handles_.clear();
     }
   }

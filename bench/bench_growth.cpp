@@ -7,6 +7,8 @@
 //   growth_inplace/<buf> vmm::growable_buffer resize(OLD -> 2 x OLD): maps only the extra OLD as one
 //                        chunk (one create + map + set_access), pointer unchanged, nothing copied.
 //                        Only resize() is timed; the shrink back to OLD (unmap + release) is not.
+//   growth_inplace_kept/<buf>  the same, with options.keep_idle = OLD: the shrink back keeps the
+//                        handle and the growth maps it again (map + set_access, no create).
 //   growth_inplace_2mib_chunks/<buf>  the same growth mapped 2 MiB at a time (512 map rounds per GiB).
 //   growth_inplace_fresh/<buf>  the same growth into fresh memory: 8 buffers made first, each grown
 //                        once (8 iterations), nothing released in between.
@@ -85,14 +87,16 @@ void bm_growth(benchmark::State& st, factory make, bool copy) {
 
 // ---- in-place growth: vmm::growable_buffer ----
 
-using buffer_factory = vmm::growable_buffer (*)(std::size_t capacity_limit);
+using buffer_factory = vmm::growable_buffer (*)(std::size_t capacity_limit, const vmm::growable_options& o);
 
-vmm::growable_buffer make_buffer_host(std::size_t limit) {
+vmm::growable_buffer make_buffer_host(std::size_t limit, const vmm::growable_options& o) {
   vmm::host_backend_options h;
   h.physical_limit = std::max(h.physical_limit, limit);
-  return vmm::growable_buffer::host(limit, h);
+  return vmm::growable_buffer::host(limit, h, o);
 }
-vmm::growable_buffer make_buffer_cuda(std::size_t limit) { return vmm::growable_buffer::cuda(limit, 0); }
+vmm::growable_buffer make_buffer_cuda(std::size_t limit, const vmm::growable_options& o) {
+  return vmm::growable_buffer::cuda(limit, 0, o);
+}
 
 struct buffer_kind {
   const char* name;
@@ -103,7 +107,7 @@ struct buffer_kind {
 std::vector<buffer_kind> available_buffers() {
   std::vector<buffer_kind> k = {{"vmmalloc_host", make_buffer_host}};
   try {
-    make_buffer_cuda(std::size_t{2} << 20);  // probe: driver + device + VMM support
+    make_buffer_cuda(std::size_t{2} << 20, {});  // probe: driver + device + VMM support
     k.push_back({"vmmalloc_cuda", make_buffer_cuda});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench: growth_inplace/vmmalloc_cuda left out: %s\n", e.what());
@@ -123,9 +127,9 @@ void settle_device() {
 // A buffer of capacity `limit` already grown to `size`; on failure the benchmark is skipped with
 // the reason and nothing is returned.
 std::optional<vmm::growable_buffer> open_buffer(benchmark::State& st, buffer_factory make, std::size_t limit,
-                                                std::size_t size) {
+                                                std::size_t size, const vmm::growable_options& o = {}) {
   try {
-    std::optional<vmm::growable_buffer> b(make(limit));
+    std::optional<vmm::growable_buffer> b(make(limit, o));
     b->resize(size);
     return b;
   } catch (const std::exception& e) {
@@ -135,10 +139,13 @@ std::optional<vmm::growable_buffer> open_buffer(benchmark::State& st, buffer_fac
 }
 
 // OLD -> 2 x OLD in place; only resize() is timed. The shrink back releases the grown chunk, so
-// every iteration maps new physical memory, as a real growth would.
-void bm_inplace(benchmark::State& st, buffer_factory make) {
+// every iteration maps new physical memory, as a real growth would. kept: the buffer keeps the
+// shrunk chunk's handle (options.keep_idle = OLD) and the growth maps it again: no create.
+void bm_inplace(benchmark::State& st, buffer_factory make, bool kept) {
   const std::size_t old_n = g_old, new_n = 2 * g_old;
-  std::optional<vmm::growable_buffer> b = open_buffer(st, make, new_n, old_n);
+  vmm::growable_options o;
+  if (kept) o.keep_idle = old_n;
+  std::optional<vmm::growable_buffer> b = open_buffer(st, make, new_n, old_n, o);
   if (!b) return;
   void* const p = b->data();
   const auto creates0 = b->counts().create;
@@ -268,7 +275,9 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)->UseRealTime();
   }
   for (const auto& k : available_buffers()) {
-    benchmark::RegisterBenchmark((std::string("growth_inplace/") + k.name).c_str(), bm_inplace, k.make)
+    benchmark::RegisterBenchmark((std::string("growth_inplace/") + k.name).c_str(), bm_inplace, k.make, false)
+        ->Unit(benchmark::kMicrosecond)->UseRealTime();
+    benchmark::RegisterBenchmark((std::string("growth_inplace_kept/") + k.name).c_str(), bm_inplace, k.make, true)
         ->Unit(benchmark::kMicrosecond)->UseRealTime();
     benchmark::RegisterBenchmark((std::string("growth_inplace_2mib_chunks/") + k.name).c_str(), bm_inplace_2mib, k.make)
         ->Unit(benchmark::kMicrosecond)->UseRealTime();

@@ -388,6 +388,93 @@ TEST_CASE("a refused unmap on shrink keeps the chunk mapped and usable") {
   CHECK(t.st->live_mappings() == 1);
 }
 
+TEST_CASE("keep_idle: a shrink keeps its handles and the next growth maps them again, no create") {
+  vmm::growable_options o;
+  o.keep_idle = 512 * MiB;
+  faulty t(2 * GiB, o);
+  t.buf.resize(64 * MiB);
+  t.buf.resize(256 * MiB);  // a second chunk of 192 MiB
+  t.buf.resize(512 * MiB);  // a third of 256 MiB
+  CHECK(t.buf.chunk_count() == 3);
+  const auto c0 = t.buf.counts();
+
+  t.buf.resize(64 * MiB);  // both tail chunks unmapped, their 448 MiB kept
+  CHECK(t.buf.capacity() == 64 * MiB);
+  CHECK(t.buf.idle_bytes() == 448 * MiB);
+  CHECK(t.st->live_handles() == 3);
+  CHECK(t.st->live_mappings() == 1);
+  CHECK(t.buf.counts().release == c0.release);
+
+  // Growing back maps the kept handles in their old order; one set_access covers both.
+  t.buf.resize(512 * MiB);
+  CHECK(t.buf.counts().create == c0.create);
+  CHECK(t.buf.counts().map == c0.map + 2);
+  CHECK(t.buf.counts().set_access == c0.set_access + 1);
+  CHECK(t.buf.idle_bytes() == 0);
+  CHECK(t.buf.capacity() == 512 * MiB);
+  CHECK(t.buf.chunk_count() == 3);
+  bytes(t.buf)[511 * MiB] = 3;
+
+  // Past what was kept: the kept handles, then one created chunk for the rest.
+  t.buf.resize(64 * MiB);
+  t.buf.resize(GiB);
+  CHECK(t.buf.counts().create == c0.create + 1);
+  CHECK(t.buf.capacity() == GiB);
+  CHECK(t.buf.chunk_count() == 4);
+  bytes(t.buf)[GiB - 1] = 4;
+  CHECK(t.st->live_handles() == t.buf.chunk_count());
+  CHECK(t.st->live_mappings() == t.buf.chunk_count());
+
+  // Beyond keep_idle a shrink releases: the first 512 MiB of tail chunks (popped tail first) are
+  // kept while they fit, the rest goes back to the device.
+  // Chunks now: 64 MiB, 192 MiB, 256 MiB, 512 MiB (tail). The 512 MiB one fits keep_idle; the
+  // 256 MiB one would pass it and is released, so are the rest.
+  t.buf.resize(0);
+  CHECK(t.buf.chunk_count() == 0);
+  CHECK(t.st->live_mappings() == 0);
+  CHECK(t.buf.idle_bytes() == 512 * MiB);
+  CHECK(t.st->live_handles() == 1);
+  t.buf.release_idle();
+  CHECK(t.buf.idle_bytes() == 0);
+  CHECK(t.st->live_handles() == 0);
+}
+
+TEST_CASE("keep_idle: a failed growth hands the kept handles back; the destructor releases them") {
+  vmm::growable_options o;
+  o.keep_idle = GiB;
+  for (op which : {op::map, op::set_access, op::create}) {
+    CAPTURE(vmm::test::op_name(which));
+    faulty t(2 * GiB, o);
+    t.buf.resize(64 * MiB);
+    t.buf.resize(256 * MiB);
+    t.buf.resize(64 * MiB);
+    CHECK(t.buf.idle_bytes() == 192 * MiB);
+    // map: the first map (the kept handle) fails; set_access: after both maps; create: the rest.
+    t.st->arm(which, 1, fault::invalid_value);
+    CHECK_THROWS_AS(t.buf.resize(512 * MiB), vmm::error);
+    CHECK(t.buf.size() == 64 * MiB);
+    CHECK(t.buf.capacity() == 64 * MiB);
+    CHECK(t.buf.idle_bytes() == 192 * MiB);  // handed back, not released, not lost
+    CHECK(t.st->live_handles() == 2);
+    CHECK(t.st->live_mappings() == 1);
+    t.st->disarm();
+    t.buf.resize(512 * MiB);
+    CHECK(t.buf.idle_bytes() == 0);
+    CHECK(t.st->live_handles() == 3);
+  }
+
+  // The destructor releases what is kept: nothing leaks.
+  auto st = std::make_shared<fault_state>();
+  {
+    growable_buffer b(vmm::test::make_fault_host(st), GiB, o);
+    b.resize(512 * MiB);
+    b.resize(0);
+    CHECK(b.idle_bytes() == 512 * MiB);
+    CHECK(st->live_handles() == 1);
+  }
+  CHECK(st->nothing_live());
+}
+
 TEST_CASE("peers are granted on every chunk; a bad peer is refused at construction") {
   vmm::growable_options o;
   o.peers = {{1, vmm::access_mode::read}};

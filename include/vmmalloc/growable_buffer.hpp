@@ -33,6 +33,11 @@
 //    driver still refuses, size() is already the new size, the memory is kept (still mapped and
 //    usable, or parked and retried by the next call and the destructor) and vmm::error is thrown.
 //    Shrinking while GPU work still uses the tail is the caller's bug: synchronize first.
+//  * options.keep_idle > 0: chunks returned by a shrink keep their physical handle (unmapped, the
+//    memory still held and counted in idle_bytes()) up to that many bytes; the next growth maps
+//    them again first (map + set_access: no create, no release, and no wait for a release the
+//    driver is still finishing) and creates only what they do not cover. Kept memory is held
+//    until release_idle() or the destructor: other users of the device cannot have it.
 //  * The destructor unmaps every chunk, releases every handle and frees the reservation, retrying a
 //    refused call once (it cannot report errors).
 //  * Not thread-safe, like std::vector: one thread at a time (or the caller's lock) per buffer.
@@ -60,6 +65,8 @@ struct growable_options {
   std::vector<access_desc> peers;   // extra devices granted on every mapping (checked at construction)
   std::size_t min_chunk = 0;        // smallest chunk mapped by one growth; 0 = granularity (2 MiB)
   bool geometric = false;           // chunk >= mapped / 2: O(log n) driver rounds for many small steps
+  std::size_t keep_idle = 0;        // bytes of shrunk chunks kept as handles for the next growth;
+                                    // 0 = a shrink releases its chunks at once
 };
 
 class growable_buffer {
@@ -88,6 +95,9 @@ class growable_buffer {
   void reserve(std::size_t n);
   // Returns the chunks wholly past round_up(size(), G).
   void shrink_to_fit();
+  // Releases the idle handles a shrink kept (options.keep_idle). A refused release is parked and
+  // retried later; vmm::error says so.
+  void release_idle();
 
   void* data() const noexcept { return reinterpret_cast<void*>(base_); }
   std::size_t size() const noexcept { return size_; }
@@ -95,7 +105,8 @@ class growable_buffer {
   std::size_t capacity_limit() const noexcept { return limit_; }         // as given
   std::size_t reserved() const noexcept { return reserved_; }            // VA: round_up(limit, G)
   std::size_t granularity() const noexcept { return gran_; }
-  std::size_t chunk_count() const noexcept { return chunks_; }
+  std::size_t chunk_count() const noexcept { return chunks_; }            // mapped chunks
+  std::size_t idle_bytes() const noexcept { return idle_; }              // kept handles, unmapped
   // Backend calls made by this buffer (attempts, retries included; failures = calls refused).
   driver_counts counts() const;
   const growable_options& opts() const noexcept { return opt_; }
@@ -113,7 +124,7 @@ class growable_buffer {
   growable_options opt_;
   std::size_t gran_ = 0, limit_ = 0, reserved_ = 0;
   std::uintptr_t base_ = 0;
-  std::size_t size_ = 0, mapped_ = 0, chunks_ = 0;
+  std::size_t size_ = 0, mapped_ = 0, chunks_ = 0, idle_ = 0;
 };
 
 }  // namespace vmm

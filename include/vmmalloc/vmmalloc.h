@@ -148,6 +148,7 @@ typedef struct vmm_buffer_options {
   size_t peer_count;
   size_t host_granularity;    /* host backend only; 0: 2 MiB */
   size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */
+  size_t keep_idle;           /* bytes of shrunk chunks kept as handles for the next growth; 0: none */
 } vmm_buffer_options;
 
 typedef struct vmm_buffer_info {
@@ -162,6 +163,7 @@ typedef struct vmm_buffer_info {
   uint64_t reserve_calls, create_calls, map_calls, set_access_calls, unmap_calls, release_calls, failures;
   /* host backend only (0 on CUDA): the backend's live objects, for leak checks */
   size_t live_handles, live_mappings, live_reservations;
+  size_t idle_bytes;          /* shrunk chunks kept as handles (keep_idle), unmapped */
 } vmm_buffer_info;
 
 void vmm_buffer_options_init(vmm_buffer_options* options); /* CUDA device 0, no limit set */
@@ -172,6 +174,7 @@ void vmm_buffer_destroy(vmm_buffer* b); /* NULL is a no-op */
 vmm_status vmm_buffer_resize(vmm_buffer* b, size_t size);
 vmm_status vmm_buffer_reserve(vmm_buffer* b, size_t bytes); /* maps up to bytes; size unchanged */
 vmm_status vmm_buffer_shrink_to_fit(vmm_buffer* b);         /* unmaps the chunks past the size */
+vmm_status vmm_buffer_release_idle(vmm_buffer* b);          /* releases the handles keep_idle kept */
 void* vmm_buffer_data(const vmm_buffer* b);  /* NULL (and the last error) for a NULL buffer */
 size_t vmm_buffer_size(const vmm_buffer* b); /* 0 for NULL */
 size_t vmm_buffer_capacity(const vmm_buffer* b);

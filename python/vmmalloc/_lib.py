@@ -115,7 +115,7 @@ c_size_t, c_int, c_u64, c_void_p = ctypes.c_size_t, ctypes.c_int, ctypes.c_uint6
 class BufferOptions(ctypes.Structure):
     _fields_ = [("backend", c_int), ("device", c_int), ("capacity_limit", c_size_t), ("min_chunk", c_size_t),
                 ("geometric", c_int), ("peers", ctypes.POINTER(c_int)), ("peer_count", c_size_t),
-                ("host_granularity", c_size_t), ("host_physical_limit", c_size_t)]
+                ("host_granularity", c_size_t), ("host_physical_limit", c_size_t), ("keep_idle", c_size_t)]
 
 
 class BufferInfo(ctypes.Structure):
@@ -124,7 +124,7 @@ class BufferInfo(ctypes.Structure):
                 ("reserve_calls", c_u64), ("create_calls", c_u64), ("map_calls", c_u64),
                 ("set_access_calls", c_u64), ("unmap_calls", c_u64), ("release_calls", c_u64),
                 ("failures", c_u64), ("live_handles", c_size_t), ("live_mappings", c_size_t),
-                ("live_reservations", c_size_t)]
+                ("live_reservations", c_size_t), ("idle_bytes", c_size_t)]
 
 
 class KVConfig(ctypes.Structure):
@@ -177,6 +177,7 @@ def _bind(lib):
         "vmm_buffer_resize": (st, [c_void_p, c_size_t]),
         "vmm_buffer_reserve": (st, [c_void_p, c_size_t]),
         "vmm_buffer_shrink_to_fit": (st, [c_void_p]),
+        "vmm_buffer_release_idle": (st, [c_void_p]),
         "vmm_buffer_data": (c_void_p, [c_void_p]),
         "vmm_buffer_size": (c_size_t, [c_void_p]),
         "vmm_buffer_capacity": (c_size_t, [c_void_p]),

@@ -48,12 +48,14 @@ class GrowableBuffer(object):
     backend: "cuda" (device `device`) or "host" (memfd + mmap with the driver's rules: no GPU).
     min_chunk: smallest growth step in bytes (0: the granularity, 2 MiB); geometric: each growth maps
     at least half of what is mapped (O(log n) driver rounds for many small steps, up to 50 % unused).
+    keep_idle: bytes of shrunk chunks kept as handles that the next growth maps again (no create,
+    no release; the memory stays held until release_idle()); 0: a shrink gives memory back at once.
     peers: devices granted read-write access too. host_granularity / host_physical_limit: the host
     backend's simulated page size and device memory.
     Raises OutOfMemoryError, InvalidValueError or Error with the C++ message."""
 
     def __init__(self, capacity_limit, backend="cuda", device=0, min_chunk=0, geometric=False, peers=(),
-                 host_granularity=0, host_physical_limit=0):
+                 host_granularity=0, host_physical_limit=0, keep_idle=0):
         lib = load()
         o = BufferOptions()
         lib.vmm_buffer_options_init(ctypes.byref(o))
@@ -67,6 +69,7 @@ class GrowableBuffer(object):
         o.peer_count = n
         o.host_granularity = _size(host_granularity, "host_granularity")
         o.host_physical_limit = _size(host_physical_limit, "host_physical_limit")
+        o.keep_idle = _size(keep_idle, "keep_idle")
         out = ctypes.c_void_p()
         check(lib.vmm_buffer_create(ctypes.byref(o), ctypes.byref(out)))
         self._lib = lib
@@ -132,10 +135,14 @@ class GrowableBuffer(object):
         """Unmaps the chunks wholly past the size."""
         check(self._lib.vmm_buffer_shrink_to_fit(self._ptr("shrink_to_fit")))
 
+    def release_idle(self):
+        """Releases the handles that shrinks kept (keep_idle)."""
+        check(self._lib.vmm_buffer_release_idle(self._ptr("release_idle")))
+
     def info(self):
         """Everything as a dict: data, size, capacity, capacity_limit, reserved, granularity, chunks,
         the backend calls made (*_calls, failures) and, on the host backend, the live objects
-        (live_handles, live_mappings, live_reservations)."""
+        (live_handles, live_mappings, live_reservations) and idle_bytes (keep_idle's kept handles)."""
         i = BufferInfo()
         check(self._lib.vmm_buffer_get_info(self._ptr("info"), ctypes.byref(i)))
         return struct_dict(i)

@@ -49,6 +49,7 @@ vmm_status vmm_buffer_create(const vmm_buffer_options* o, vmm_buffer** out) {
     g.device = o->device;
     g.min_chunk = o->min_chunk;
     g.geometric = o->geometric != 0;
+    g.keep_idle = o->keep_idle;
     for (size_t i = 0; i < o->peer_count; ++i) g.peers.push_back({o->peers[i], vmm::access_mode::read_write});
     if (backend == VMM_BACKEND_HOST) {
       vmm::host_backend_options h;
@@ -73,6 +74,9 @@ vmm_status vmm_buffer_reserve(vmm_buffer* b, size_t bytes) {
 }
 vmm_status vmm_buffer_shrink_to_fit(vmm_buffer* b) {
   return locked(b, "vmm_buffer_shrink_to_fit", [&](vmm::growable_buffer& g) { g.shrink_to_fit(); });
+}
+vmm_status vmm_buffer_release_idle(vmm_buffer* b) {
+  return locked(b, "vmm_buffer_release_idle", [&](vmm::growable_buffer& g) { g.release_idle(); });
 }
 
 void* vmm_buffer_data(const vmm_buffer* b) {
@@ -105,6 +109,7 @@ vmm_status vmm_buffer_get_info(const vmm_buffer* b, vmm_buffer_info* out) {
     i.reserved = g.reserved();
     i.granularity = g.granularity();
     i.chunks = g.chunk_count();
+    i.idle_bytes = g.idle_bytes();
     i.reserve_calls = c.reserve;
     i.create_calls = c.create;
     i.map_calls = c.map;

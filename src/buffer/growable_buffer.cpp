@@ -41,6 +41,7 @@ struct growable_buffer::impl {
   chunk_props props;
   std::vector<access_desc> access;  // owner + peers, applied to every chunk with one set_access
   std::vector<chunk> chunks;        // tail order: chunks[i].va == base + sum of earlier sizes
+  std::vector<chunk> idle;          // handles a shrink kept (va unused): the last one shrunk at back()
   vm::strays strays;                // refused rollback/release work, retried before the next change
 };
 
@@ -101,7 +102,8 @@ growable_buffer::growable_buffer(growable_buffer&& o) noexcept
       base_(std::exchange(o.base_, 0)),
       size_(std::exchange(o.size_, 0)),
       mapped_(std::exchange(o.mapped_, 0)),
-      chunks_(std::exchange(o.chunks_, 0)) {}
+      chunks_(std::exchange(o.chunks_, 0)),
+      idle_(std::exchange(o.idle_, 0)) {}
 
 growable_buffer& growable_buffer::operator=(growable_buffer&& o) noexcept {
   if (this == &o) return *this;
@@ -115,6 +117,7 @@ growable_buffer& growable_buffer::operator=(growable_buffer&& o) noexcept {
   size_ = std::exchange(o.size_, 0);
   mapped_ = std::exchange(o.mapped_, 0);
   chunks_ = std::exchange(o.chunks_, 0);
+  idle_ = std::exchange(o.idle_, 0);
   return *this;
 }
 
@@ -131,11 +134,13 @@ void growable_buffer::destroy() noexcept {
     (void)vm::driver::twice([&] { return m.d.release(it->handle); });
   }
   m.chunks.clear();
+  for (const impl::chunk& c : m.idle) (void)vm::driver::twice([&] { return m.d.release(c.handle); });
+  m.idle.clear();
   (void)m.strays.retry(m.d);
   (void)m.res.reset();
   p_.reset();
   base_ = 0;
-  size_ = mapped_ = reserved_ = chunks_ = 0;
+  size_ = mapped_ = reserved_ = chunks_ = idle_ = 0;
 }
 
 void growable_buffer::resize(std::size_t n) {
@@ -168,6 +173,24 @@ void growable_buffer::shrink_to_fit() {
   trim_to(size_, "vmm::growable_buffer::shrink_to_fit");
 }
 
+void growable_buffer::release_idle() {
+  if (!p_) return;
+  impl& m = *p_;
+  status err{};
+  for (const impl::chunk& c : m.idle) {
+    status s = vm::driver::twice([&] { return m.d.release(c.handle); });
+    if (!s.ok()) {
+      m.strays.add_handle(c.handle, c.size);
+      if (err.ok()) err = s;
+    }
+  }
+  m.idle.clear();
+  idle_ = 0;
+  if (!err.ok())
+    throw error(err, "vmm::growable_buffer::release_idle: a release was refused (parked, retried later): " +
+                         err.message());
+}
+
 void growable_buffer::grow_to(std::size_t n, const char* what) {
   impl& m = *p_;
   // A mapping a refused rollback left at the tail would block the map below: retry it first.
@@ -176,35 +199,59 @@ void growable_buffer::grow_to(std::size_t n, const char* what) {
     if (!s.ok()) throw_status(s, std::string(what) + ": undoing an earlier failed step");
   }
   const std::size_t need = round_up(n, gran_) - mapped_;  // n <= limit_, so this fits the reservation
-  // One chunk for the whole growth: one driver round, whatever the size.
-  std::size_t want = std::max(need, opt_.min_chunk);
-  if (opt_.geometric) want = std::max(want, round_up(mapped_ / 2, gran_));
-  want = std::min(want, reserved_ - mapped_);  // never past the reservation (still >= need)
   const std::uintptr_t va = base_ + mapped_;
   auto ctx = [&](std::size_t bytes) {
     return std::string(what) + ": mapping " + mib(bytes) + " at offset " + mib(mapped_);
   };
 
-  auto h = m.d.create(want, m.props);
-  if (!h.ok() && h.st.kind == errc::out_of_memory && want > need) {
-    // The policy's larger chunk does not fit; the exact need still might.
-    want = need;
-    h = m.d.create(want, m.props);
-  }
-  if (!h.ok()) throw_status(h.st, ctx(want));
-
-  // All or nothing: the chunk has no access until set_access grants it (cuMemMap's rule); one
-  // call for all devices. A failure undoes the map and releases the handle (vm::mapping_txn).
+  // All or nothing: a failure undoes every map (vm::mapping_txn): created handles are released,
+  // idle ones handed back to the idle list. A mapping has no access until set_access grants it
+  // (cuMemMap's rule): one call for all devices over everything mapped here.
   vm::mapping_txn txn(m.d, m.strays);
-  status st = txn.map(va, want, h.value, true);
-  if (st.ok()) st = txn.set_access(va, want, m.access);
-  if (!st.ok()) {
+  std::vector<impl::chunk> added;
+  std::size_t got = 0;
+  auto undo = [&](const status& st, std::size_t bytes) {
     txn.rollback();
-    throw_status(st, ctx(want));
+    for (const auto& l : txn.returned()) m.idle.push_back({0, l.size, l.h});
+    txn.returned().clear();
+    idle_ = 0;
+    for (const impl::chunk& c : m.idle) idle_ += c.size;
+    throw_status(st, ctx(bytes));
+  };
+
+  // Handles a shrink kept, in the order they left the tail: a map each, no create. They always
+  // fit: mapped + kept bytes never exceed the reservation (a shrink moves bytes from one to the
+  // other; a create happens only once nothing is kept).
+  while (got < need && !m.idle.empty()) {
+    const impl::chunk c = m.idle.back();
+    m.idle.pop_back();
+    idle_ -= c.size;
+    if (status st = txn.map(va + got, c.size, c.handle, false); !st.ok()) undo(st, c.size);
+    added.push_back({va + got, c.size, c.handle});
+    got += c.size;
   }
+
+  if (got < need) {
+    // One chunk for the rest: one driver round, whatever the size.
+    const std::size_t rest = need - got;
+    std::size_t want = std::max(rest, opt_.min_chunk);
+    if (opt_.geometric) want = std::max(want, round_up((mapped_ + got) / 2, gran_));
+    want = std::min(want, reserved_ - mapped_ - got);  // never past the reservation (still >= rest)
+    auto h = m.d.create(want, m.props);
+    if (!h.ok() && h.st.kind == errc::out_of_memory && want > rest) {
+      // The policy's larger chunk does not fit; the exact need still might.
+      want = rest;
+      h = m.d.create(want, m.props);
+    }
+    if (!h.ok()) undo(h.st, want);
+    if (status st = txn.map(va + got, want, h.value, true); !st.ok()) undo(st, want);
+    added.push_back({va + got, want, h.value});
+    got += want;
+  }
+  if (status st = txn.set_access(va, got, m.access); !st.ok()) undo(st, got);
   txn.commit();
-  m.chunks.push_back({va, want, h.value});
-  mapped_ += want;
+  m.chunks.insert(m.chunks.end(), added.begin(), added.end());
+  mapped_ += got;
   chunks_ = m.chunks.size();
 }
 
@@ -223,6 +270,11 @@ void growable_buffer::trim_to(std::size_t n, const char* what) {
     }
     m.chunks.pop_back();
     mapped_ -= c.size;
+    if (idle_ + c.size <= opt_.keep_idle) {  // kept for the next growth: no release now
+      m.idle.push_back({0, c.size, c.handle});
+      idle_ += c.size;
+      continue;
+    }
     // After the unmap the VA is free; the physical memory returns with the release.
     s = vm::driver::twice([&] { return m.d.release(c.handle); });
     if (!s.ok()) {

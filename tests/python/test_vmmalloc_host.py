@@ -118,6 +118,22 @@ class Buffer(unittest.TestCase):
             self.assertEqual((i["capacity"], i["live_handles"], i["live_mappings"]), (0, 0, 0))
             self.assertEqual(len(b.memoryview()), 0)
 
+    def test_keep_idle_maps_kept_handles_again(self):
+        with GrowableBuffer.host(64 * MiB, keep_idle=8 * MiB) as b:
+            b.resize(4 * MiB)
+            b.resize(12 * MiB)  # one more chunk of 8 MiB
+            b.resize(4 * MiB)   # kept, not released
+            i = b.info()
+            self.assertEqual((i["capacity"], i["idle_bytes"], i["live_handles"]), (4 * MiB, 8 * MiB, 2))
+            creates = i["create_calls"]
+            b.resize(12 * MiB)
+            i = b.info()
+            self.assertEqual((i["create_calls"], i["idle_bytes"], i["capacity"]), (creates, 0, 12 * MiB))
+            b.resize(4 * MiB)
+            b.release_idle()
+            i = b.info()
+            self.assertEqual((i["idle_bytes"], i["live_handles"]), (0, 1))
+
     def test_reserve_and_geometric(self):
         with GrowableBuffer.host(1 << 30) as b:
             b.reserve(10 * MiB)

@@ -14,6 +14,7 @@
 #include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.h"
 #include "arena/arena.hpp"
+#include "support/fault_backend.hpp"
 #include "support/host_alloc.hpp"
 
 namespace {
@@ -403,6 +404,55 @@ TEST_CASE("policy: granularity follows the backend (4 KiB host pages)") {
   a.deallocate(p);
   a.trim(0);
   CHECK(a.stats().mapped == 0);
+}
+
+// The device's free memory (other processes included) decides: 512 MiB of free chunks are held;
+// a 300 MiB growth with a 256 MiB margin gives them back first when the device is short, and
+// keeps them when it is not.
+TEST_CASE("policy: free_memory_margin gives free memory back before a growth that leaves the device short") {
+  constexpr std::size_t M = std::size_t{1} << 20;
+  struct outcome {
+    std::size_t mapped, physical, device_free;
+    std::uint64_t margin_trims;
+  };
+  auto run = [&](std::size_t margin, std::size_t device, std::size_t other) {
+    auto st = std::make_shared<vmm::test::fault_state>();
+    vmm::host_backend_options h;
+    h.physical_limit = device;
+    vmm::options o;
+    o.reservation_size = 4 * device;
+    o.free_memory_margin = margin;
+    o.thread_cache_large = false;  // every block goes back to the heap at once
+    vmm::allocator a(vmm::test::make_fault_host(st, h), o);
+    std::vector<void*> v;
+    for (int i = 0; i < 64; ++i) v.push_back(a.allocate(8 * M));
+    for (void* p : v) a.deallocate(p);
+    CHECK(a.stats().free_chunk_bytes >= 512 * M);  // freed memory stays mapped (release_threshold max)
+    vmm::mem_handle taken = 0;
+    if (other) taken = st->host->create(other, vmm::chunk_props{}).value;  // another user of the device
+    void* big = a.allocate(300 * M);  // a huge block: a growth
+    std::memset(big, 1, 300 * M);
+    const auto s = a.stats();
+    outcome r{s.mapped, s.physical, st->host->mem_info().value.free, s.margin_trims};
+    CHECK(a.check() == "");
+    a.deallocate(big);
+    if (taken) CHECK(st->host->release(taken).ok());
+    return r;
+  };
+  const outcome off = run(0, 1024 * M, 300 * M);
+  const outcome short_ = run(256 * M, 1024 * M, 300 * M);
+  const outcome roomy = run(256 * M, 4096 * M, 300 * M);
+  CHECK(off.margin_trims == 0);
+  CHECK(roomy.margin_trims == 0);
+  CHECK(short_.margin_trims == 1);
+  // Off, or with room on the device: the free chunks are stitched for the 300 MiB and the rest
+  // stays held (212 MiB of it). Short: the rest goes back, the device has it again.
+  CHECK(off.physical >= 500 * M);
+  CHECK(roomy.physical == off.physical);
+  CHECK(short_.physical <= 304 * M);
+  CHECK(short_.physical >= 300 * M);
+  CHECK(short_.device_free >= off.device_free + 200 * M);
+  CHECK(short_.device_free >= 256 * M);
 }
 
 TEST_CASE("policy: the default reservation is twice the device memory") {

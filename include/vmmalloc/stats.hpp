@@ -36,6 +36,8 @@ struct allocator_stats {
   std::uint64_t allocs = 0, frees = 0, live = 0, deferred = 0;
   std::uint64_t grows = 0, chunk_releases = 0, trims = 0, stitched = 0, compression_fallbacks = 0;
   std::uint64_t reclaims = 0;           // out-of-memory paths that gave free memory back and retried
+  std::uint64_t margin_trims = 0;       // growths that gave free memory back first because the
+                                        // device's free memory was below options.free_memory_margin
   // Free chunks whose memory served a request of the stream that freed them while that stream's
   // work was still running (the GPU behind the CPU); their old VA stays mapped until it is done.
   std::uint64_t chunks_retired = 0;

@@ -53,6 +53,8 @@ typedef struct vmm_policy {
   size_t host_granularity;    /* host backend only; 0: 2 MiB */
   size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */
   const char* trace_path;     /* NULL/"": off; else every malloc/free is written there (trace format) */
+  size_t free_memory_margin;  /* 0: off; else free memory is given back first when a growth would
+                                 leave the device less than this */
 } vmm_policy;
 
 typedef struct vmm_stats {
@@ -75,6 +77,7 @@ typedef struct vmm_stats {
   uint64_t pools;          /* graph pools alive */
   size_t pool_allocated;   /* bytes of live blocks in graph pools */
   size_t pool_held;        /* mapped bytes owned by graph pools */
+  uint64_t margin_trims;   /* growths that gave free memory back first (free_memory_margin) */
 } vmm_stats;
 
 /* Occupancy of one size class (small allocations live in slabs of equal slots). */

@@ -27,6 +27,7 @@ allocator_stats allocator::stats() const {
     h.chunk_releases += x.chunk_releases;
     h.reclaims += x.reclaims;
     h.chunks_retired += x.chunks_retired;
+    h.margin_trims += x.margin_trims;
   }
   // Slots in thread caches are allocated as far as the heap knows; the user sees them as free.
   std::uint64_t req = p_->retired_req, cached_b = 0, cached_n = 0, fa = p_->retired_allocs,
@@ -68,6 +69,7 @@ allocator_stats allocator::stats() const {
   s.chunk_releases = h.chunk_releases;
   s.trims = h.trims;
   s.reclaims = h.reclaims;
+  s.margin_trims = h.margin_trims;
   s.pools = p_->pools.size();
   s.pool_allocated = pool_alloc;
   s.pool_held = pool_held;

@@ -177,6 +177,20 @@ bool heap::impl::reclaim() {
          st.deferred != deferred_before || a.idle_bytes() != 0;
 }
 
+bool heap::impl::relieve_pressure(std::size_t want, stream_t x) {
+  const std::size_t margin = a.opts().free_memory_margin;
+  if (margin == 0 || private_pool) return false;
+  auto mi = a.drv().mem_info();
+  if (!mi.ok() || mi.value.free >= margin + want) return false;
+  ++st.margin_trims;
+  poll_deferred();
+  destroy_empty_slabs();
+  // Free chunks become idle handles (those of other streams' unfinished work stay): the growth
+  // maps what fits its request, the rest is released after it.
+  (void)evict_free_chunks(~std::size_t{0}, true, false, &x);
+  return true;
+}
+
 void heap::impl::destroy_empty_slabs() {
   std::vector<slab*> empty;
   for (auto& e : pages)

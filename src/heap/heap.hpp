@@ -49,6 +49,7 @@ struct heap_stats {
   std::uint64_t exported_released = 0;  // exported allocations freed (chunks released, not reused)
   std::uint64_t reclaims = 0;           // out-of-memory paths that gave free memory back and retried
   std::uint64_t chunks_retired = 0;     // free chunks reused while their stream still ran behind
+  std::uint64_t margin_trims = 0;       // growths that gave free memory back first (free_memory_margin)
 };
 
 class heap {

@@ -300,6 +300,10 @@ struct heap::impl {
   // Out-of-memory path: empty slabs, free chunks (into idle handles), deferred frees. true when
   // something was given back or is now idle for the retry to map.
   bool reclaim();
+  // free_memory_margin: true when the device's free memory less `want` is below the margin; then
+  // free chunks have become idle handles (the growth maps those it can use, the caller releases
+  // the rest once it has grown).
+  bool relieve_pressure(std::size_t want, stream_t x);
   void destroy_empty_slabs();
 
   void note_alloc(std::size_t n, std::size_t sz);

@@ -57,7 +57,8 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
     account(b->addr, b->size, true);
     return {b, {}};
   }
-  if (a.opts().stitch_on_grow) {
+  const bool pressed = relieve_pressure(size, x);
+  if (a.opts().stitch_on_grow && !pressed) {
     status e = evict_free_chunks(size, true, false, &x);
     if (!e.ok()) return {nullptr, e};
   }
@@ -68,6 +69,7 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
     if (!e.ok()) return {nullptr, e};
     r = a.map_range(size, 0, kOwnerHuge, &got, hid);
   }
+  if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
   if (!r.ok()) return {nullptr, r.st};
   size = got;
   ++st.grows;  // new memory mapped, as grow() counts for spans

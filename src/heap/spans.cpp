@@ -94,7 +94,8 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x)
 status heap::impl::grow(std::size_t need, stream_t x) {
   ++st.grows;
   std::size_t size = round_up(need, G);
-  if (a.opts().stitch_on_grow) {
+  const bool pressed = relieve_pressure(size, x);
+  if (a.opts().stitch_on_grow && !pressed) {
     status e = evict_free_chunks(size, true, false, &x);  // reuse wholly free chunks' physical memory
     if (!e.ok()) return e;
   }
@@ -131,9 +132,11 @@ status heap::impl::grow(std::size_t need, stream_t x) {
     want = size;
     r = a.map_range(want, 0, kOwnerSpan, &got, hid);
   }
+  if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
   if (!r.ok()) return r.st;
   add_span_range(r.value, got, x);
-  next_growth = std::min(next_growth * 2, std::max(a.opts().max_growth, G));
+  next_growth = pressed ? a.opts().min_chunk
+                        : std::min(next_growth * 2, std::max(a.opts().max_growth, G));
   return {};
 }
 

@@ -5,7 +5,8 @@
 //   bench_alloc_free [--benchmark_filter=alloc_free/vmmalloc_host/.*] [Google Benchmark flags]
 //
 // Peers: vmmalloc_host and malloc always; vmmalloc_cuda, cudaMalloc, cudaMallocAsync when a device
-// answers at run time. Each peer is one shared instance (created on first use) so threads contend
+// answers at run time; torch (PyTorch's caching allocator, raw_alloc / raw_delete) in a build
+// configured with -DVMM_WITH_TORCH=ON against libtorch (tools/gpu-check's bench step makes one). Each peer is one shared instance (created on first use) so threads contend
 // on it exactly as an application's threads would.
 #include <unistd.h>
 
@@ -100,7 +101,7 @@ void bm_trace(benchmark::State& st) {
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  const std::vector<std::int64_t> sizes = {256, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30};
+  const std::vector<std::int64_t> sizes = {256, 4 << 10, 64 << 10, 256 << 10, 1 << 20, 16 << 20, 256 << 20, 1 << 30};
   for (const auto& k : available_peers()) {
     auto* b = benchmark::RegisterBenchmark((std::string("alloc_free/") + k.name).c_str(), bm_alloc_free, &k);
     for (auto s : sizes) b->Arg(s);

@@ -30,6 +30,9 @@ inline std::unique_ptr<peer> make_malloc() { return vmm::replay::make_malloc(); 
 inline std::unique_ptr<peer> make_vmmalloc_cuda() { return vmm::replay::make_vmmalloc_cuda(0); }
 inline std::unique_ptr<peer> make_cuda_malloc() { return vmm::replay::make_cuda_malloc(0); }
 inline std::unique_ptr<peer> make_cuda_malloc_async() { return vmm::replay::make_cuda_malloc_async(0); }
+#ifdef VMM_REPLAY_TORCH
+inline std::unique_ptr<peer> make_torch() { return vmm::replay::make_torch(0); }
+#endif
 
 // Host peers always (vmmalloc's host backend, glibc malloc as the host reference); the GPU peers
 // only when vmmalloc's CUDA backend opens and cudart sees a device. Says on stderr what it left out.
@@ -49,6 +52,9 @@ inline const std::vector<peer_kind>& available_peers() {
     } else {
       std::fprintf(stderr, "bench: cudaMalloc, cudaMallocAsync left out: %s\n", why.c_str());
     }
+#ifdef VMM_REPLAY_TORCH  // a build against libtorch (-DVMM_WITH_TORCH=ON): PyTorch's caching allocator
+    if (vmm::replay::have_torch_peer() && vmm::replay::cuda_device_present(&why)) k.push_back({"torch", make_torch});
+#endif
     return k;
   }();
   return kinds;

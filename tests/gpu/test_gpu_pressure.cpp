@@ -12,6 +12,8 @@
 //           vmm::out_of_memory), the allocator keeps serving what fits (a kernel writes and
 //           checks it), and after freeing everything and destroying the allocator cudaMemGetInfo
 //           shows the starting free memory again (within VMM_GPU_MEMINFO_SLACK_MIB)
+//   margin  options.free_memory_margin: held free memory goes back when another user of the card
+//           leaves a growth short of the margin (stats and cudaMemGetInfo both show it)
 // Nothing here changes the card's settings.
 #include <doctest/doctest.h>
 
@@ -231,4 +233,44 @@ TEST_CASE("gpu pressure: the device itself out of memory -> clean out_of_memory,
   }
   for (void* p : fillers) GPU_CHECK(cudaFree(p));
   check_memory_back(f0, "after freeing the fillers and destroying the allocator");
+}
+
+// free_memory_margin on the card: the allocator holds 1 GiB of freed memory; another user of the
+// device (cudaMalloc) takes 2 GiB; the next growth would leave less free than the margin, so the
+// held memory goes back first and cudaMemGetInfo sees it.
+TEST_CASE("gpu pressure: free_memory_margin gives held free memory back before a growth leaves the device short") {
+  warm_up();
+  const std::size_t f0 = free_device_memory();
+  REQUIRE(f0 > 8 * GiB);
+  vmm::options o;
+  o.reservation_size = 16 * GiB;
+  o.thread_cache_large = false;         // every freed block goes back to the heap at once
+  o.free_memory_margin = f0 - 3 * GiB;  // pressed once free memory falls near f0 - 3 GiB
+  {
+    vmm::allocator a(o);
+    std::vector<void*> v;
+    for (int i = 0; i < 64; ++i) v.push_back(a.allocate(16 * MiB));
+    CHECK(a.stats().margin_trims == 0);  // the device had room for every growth
+    for (void* p : v) a.deallocate(p);
+    GPU_CHECK(cudaDeviceSynchronize());
+    const std::size_t held = a.stats().physical;
+    CHECK(held >= GiB);
+
+    void* other = nullptr;
+    GPU_CHECK(cudaMalloc(&other, 2 * GiB));  // another user of the device
+    void* big = a.allocate(512 * MiB);       // a huge block: a growth, now short of the margin
+    gpu::fill(big, 512 * MiB, 21, nullptr);
+    CHECK(gpu::verify(big, 512 * MiB, 21, nullptr) == 0);
+    const auto s = a.stats();
+    CHECK(s.margin_trims == 1);
+    CHECK(s.physical <= 512 * MiB + 8 * MiB);  // the rest of the held gigabyte went back
+    const std::size_t f1 = free_device_memory();
+    MESSAGE("held " << (held >> 20) << " MiB before; after the growth physical " << (s.physical >> 20)
+                    << " MiB, device free " << (f1 >> 20) << " MiB (start " << (f0 >> 20) << " MiB)");
+    if (!gpu::skip_meminfo_checks()) CHECK(f1 + 64 * MiB >= f0 - 2 * GiB - 512 * MiB);
+    CHECK(a.check() == "");
+    a.deallocate(big);
+    GPU_CHECK(cudaFree(other));
+  }
+  check_memory_back(f0, "after the margin case");
 }

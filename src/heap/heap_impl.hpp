@@ -39,7 +39,9 @@ struct heap::impl {
 
   enum : std::uint8_t { f_free = 1, f_sentinel = 2, f_slab = 4, f_huge = 8, f_tagged = 16, f_exported = 32 };
 
-  struct block {
+  // One cache line each (104 bytes -> 128): threads holding neighbouring blocks in their large
+  // caches write req and tword without the lock, and must not share a line. 24 bytes a block.
+  struct alignas(64) block {
     std::uintptr_t addr = 0;
     std::size_t size = 0;
     block* prev_phys = nullptr;  // neighbours in the span (null at the span's start)

@@ -223,6 +223,56 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
   }
 }
 
+TEST_CASE("split_freed_huge: a freed huge block serves other sizes with no driver call, in stream order") {
+  for (bool split : {false, true}) {
+    CAPTURE(split);
+    vmm::options o = conf::small_options();
+    o.split_freed_huge = split;
+    o.thread_cache_large = false;
+    auto [hb, a] = vmm::test::make_host_alloc(o);
+    auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
+    const std::size_t huge = std::max<std::size_t>(o.huge_threshold, 64 * MiB) * 2;
+    void* p = a.allocate(huge, 0, s1);
+    a.deallocate(p, s1);
+    const auto c0 = a.stats().calls.total();
+    // Another size than the freed block's (the huge cache serves up to 1/8 larger), and a mid size.
+    void* q = a.allocate(huge / 2 + huge / 4, 0, s1);
+    void* r = a.allocate(huge / 8, 0, s1);
+    host_traits::fill(q, huge / 2 + huge / 4, 7);
+    host_traits::fill(r, huge / 8, 8);
+    const auto c1 = a.stats().calls.total();
+    if (split) {
+      CHECK(c1 == c0);  // split from the freed block's memory
+      CHECK(a.stats().physical == huge);
+    } else {
+      CHECK(c1 > c0);   // its own chunk: the freed one remapped or released and created again
+    }
+    CHECK(host_traits::verify(q, huge / 2 + huge / 4, 7));
+    CHECK(host_traits::verify(r, huge / 8, 8));
+    CHECK(a.check() == "");
+    a.deallocate(q, s1);
+    a.deallocate(r, s1);
+    // Freed on S1 while S1 runs behind: never S2's before S1's fence completes.
+    void* h = a.allocate(huge, 0, s1);
+    hb->hold_stream(s1);
+    a.deallocate(h, s1);
+    void* other = a.allocate(huge / 2, 0, s2);
+    const auto in = [&](void* x) {
+      auto u = reinterpret_cast<std::uintptr_t>(x), b = reinterpret_cast<std::uintptr_t>(h);
+      return u >= b && u < b + huge;
+    };
+    CHECK_FALSE(in(other));
+    void* mine = a.allocate(huge / 2, 0, s1);  // S1 itself may reuse at once (stream order)
+    if (split) CHECK(in(mine));
+    hb->complete_stream(s1);
+    a.deallocate(mine, s1);
+    a.deallocate(other, s2);
+    CHECK(a.check() == "");
+    a.trim(0);
+    CHECK(a.stats().mapped == 0);
+  }
+}
+
 TEST_CASE("streams: memory freed on S while S runs behind serves S's next growth, not new memory") {
   // The GPU behind the CPU: S's fences stay pending. Free chunks S alone may still use are
   // retired (their handles mapped where S's next request needs them, their old VA unmapped once
@@ -406,13 +456,14 @@ TEST_CASE("policy: granularity follows the backend (4 KiB host pages)") {
   CHECK(a.stats().mapped == 0);
 }
 
-// The device's free memory (other processes included) decides: 512 MiB of free chunks are held;
-// a 300 MiB growth with a 256 MiB margin gives them back first when the device is short, and
-// keeps them when it is not.
+// The device's free memory (other processes included) decides. 512 MiB is held free in two spans
+// that a huge block H keeps apart; a 300 MiB request fits neither, so it grows, stitching free
+// chunks. Without pressure it takes what it needs and the rest stays held; when the device is
+// short of the margin everything free is given back first.
 TEST_CASE("policy: free_memory_margin gives free memory back before a growth that leaves the device short") {
   constexpr std::size_t M = std::size_t{1} << 20;
   struct outcome {
-    std::size_t mapped, physical, device_free;
+    std::size_t physical, device_free;
     std::uint64_t margin_trims;
   };
   auto run = [&](std::size_t margin, std::size_t device, std::size_t other) {
@@ -425,34 +476,37 @@ TEST_CASE("policy: free_memory_margin gives free memory back before a growth tha
     o.thread_cache_large = false;  // every block goes back to the heap at once
     vmm::allocator a(vmm::test::make_fault_host(st, h), o);
     std::vector<void*> v;
-    for (int i = 0; i < 64; ++i) v.push_back(a.allocate(8 * M));
+    for (int i = 0; i < 16; ++i) v.push_back(a.allocate(16 * M));  // span A
+    void* hb = a.allocate(300 * M);                                 // H: its own chunk after A
+    for (int i = 0; i < 16; ++i) v.push_back(a.allocate(16 * M));  // span B, after H
     for (void* p : v) a.deallocate(p);
     CHECK(a.stats().free_chunk_bytes >= 512 * M);  // freed memory stays mapped (release_threshold max)
+    CHECK(a.stats().margin_trims == 0);
     vmm::mem_handle taken = 0;
     if (other) taken = st->host->create(other, vmm::chunk_props{}).value;  // another user of the device
-    void* big = a.allocate(300 * M);  // a huge block: a growth
+    void* big = a.allocate(300 * M);  // fits neither span: a growth
     std::memset(big, 1, 300 * M);
     const auto s = a.stats();
-    outcome r{s.mapped, s.physical, st->host->mem_info().value.free, s.margin_trims};
+    outcome r{s.physical, st->host->mem_info().value.free, s.margin_trims};
     CHECK(a.check() == "");
     a.deallocate(big);
+    a.deallocate(hb);
     if (taken) CHECK(st->host->release(taken).ok());
     return r;
   };
-  const outcome off = run(0, 1024 * M, 300 * M);
-  const outcome short_ = run(256 * M, 1024 * M, 300 * M);
-  const outcome roomy = run(256 * M, 4096 * M, 300 * M);
+  const outcome off = run(0, 2048 * M, 512 * M);
+  const outcome short_ = run(512 * M, 2048 * M, 512 * M);
+  const outcome roomy = run(512 * M, 8192 * M, 512 * M);
   CHECK(off.margin_trims == 0);
   CHECK(roomy.margin_trims == 0);
   CHECK(short_.margin_trims == 1);
-  // Off, or with room on the device: the free chunks are stitched for the 300 MiB and the rest
-  // stays held (212 MiB of it). Short: the rest goes back, the device has it again.
-  CHECK(off.physical >= 500 * M);
+  // Off, or with room on the device: the growth stitches ~300 MiB of free chunks and the rest of
+  // the 512 MiB stays held. Short: the rest goes back, the device has it again.
+  CHECK(off.physical >= 800 * M);
   CHECK(roomy.physical == off.physical);
-  CHECK(short_.physical <= 304 * M);
-  CHECK(short_.physical >= 300 * M);
-  CHECK(short_.device_free >= off.device_free + 200 * M);
-  CHECK(short_.device_free >= 256 * M);
+  CHECK(short_.physical <= 620 * M);
+  CHECK(short_.physical >= 600 * M);
+  CHECK(short_.device_free >= off.device_free + 150 * M);
 }
 
 TEST_CASE("policy: the default reservation is twice the device memory") {

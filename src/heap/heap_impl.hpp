@@ -233,12 +233,14 @@ struct heap::impl {
   void account(std::uintptr_t addr, std::size_t size, bool add);
 
   // ---- large path ----
-  result<block*> allocate_large(std::size_t n, std::size_t align, stream_t x);
+  // may_grow false: a free block that fits, or null (status ok) without a driver call.
+  result<block*> allocate_large(std::size_t n, std::size_t align, stream_t x, bool may_grow = true);
 
   void free_large(block* b, stream_t s);
 
   // Adds mapped [va, va+size) to the spans: extends the span ending at va, or starts a new one.
-  void add_span_range(std::uintptr_t va, std::size_t size, stream_t x);
+  // freed_seq != 0: the range is memory freed on x at that sequence (tagged, not fresh).
+  void add_span_range(std::uintptr_t va, std::size_t size, stream_t x, std::uint64_t freed_seq = 0);
 
   status grow(std::size_t need, stream_t x);
 

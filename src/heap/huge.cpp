@@ -57,6 +57,13 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
     account(b->addr, b->size, true);
     return {b, {}};
   }
+  // Free span memory that fits costs no driver call; chunks of its own would (remapping free
+  // chunks, or creating). Real training processes change shapes every step, and with them the
+  // sizes of their largest blocks: the cache above misses, span memory is there.
+  if (!whole_chunks()) {
+    auto sp = allocate_large(n, kUnit, x, false);
+    if (!sp.ok() || sp.value) return sp;
+  }
   const bool pressed = relieve_pressure(size, x);
   if (a.opts().stitch_on_grow && !pressed) {
     status e = evict_free_chunks(size, true, false, &x);
@@ -91,6 +98,21 @@ void heap::impl::free_huge(block* b, stream_t s) {
   b->stream = s;
   b->free_seq = ++seq;
   b->set_requested(0);
+  if (!exported && !whole_chunks() && a.opts().split_freed_huge) {
+    // Its memory joins the spans: any later request may split it, with no driver call.
+    const std::uintptr_t va = b->addr;
+    const std::size_t size = b->size;
+    const std::uint64_t fs = b->free_seq;
+    for (std::uintptr_t c = va; c < va + size;) {
+      auto& ch = a.get(a.chunk_at(c));
+      ch.owner = kOwnerSpan;
+      c += ch.size;
+    }
+    unlink_page(b);
+    delete_block(b);
+    add_span_range(va, size, s, fs);
+    return;
+  }
   huge_cache.emplace(b->size, b);
   if (exported) {
     // An importer may still map these chunks: they must never hold another allocation. Unmap

@@ -6,11 +6,12 @@
 namespace vmm {
 
 
-result<heap::impl::block*> heap::impl::allocate_large(std::size_t n, std::size_t align, stream_t x) {
+result<heap::impl::block*> heap::impl::allocate_large(std::size_t n, std::size_t align, stream_t x, bool may_grow) {
   std::size_t size = align_up(std::max<std::size_t>(n, 1), kUnit);
   std::size_t need = size + (align > kUnit ? align - kUnit : 0);
   if (size < n || need < size) return {nullptr, fail(errc::out_of_memory, "size overflows")};
   block* b = find_free(need, x);
+  if (!b && !may_grow) return {nullptr, {}};
   if (!b) {
     status g = grow(need, x);
     if (!g.ok()) return {nullptr, g};
@@ -53,11 +54,16 @@ void heap::impl::free_large(block* b, stream_t s) {
   insert_free(b);
 }
 
-void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x) {
+void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x, std::uint64_t freed_seq) {
   block* nb = new_block();
   nb->addr = va;
   nb->size = size;
   nb->flags = f_free;
+  if (freed_seq) {  // memory just freed on x (a huge block's): tagged like any free
+    nb->flags = f_free | f_tagged;
+    nb->stream = x;
+    nb->free_seq = freed_seq;
+  }
   auto it = span_ends.find(va);
   if (it != span_ends.end()) {
     block* s = it->second;
@@ -70,7 +76,11 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x)
     s->addr = va + size;
     span_ends[s->addr] = s;
     link_page(nb);
-    if ((tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
+    if (freed_seq && (tail->flags & f_free) && !(tail->flags & f_sentinel) && compatible(tail, nb)) {
+      remove_free(tail);
+      absorb(tail, nb);
+      nb = tail;
+    } else if (!freed_seq && (tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
       // Fresh memory takes the tail's stream tag so the two can serve one request.
       nb->flags = tail->flags & (f_free | f_tagged);
       nb->stream = tail->stream;

@@ -235,9 +235,10 @@ TEST_CASE("gpu pressure: the device itself out of memory -> clean out_of_memory,
   check_memory_back(f0, "after freeing the fillers and destroying the allocator");
 }
 
-// free_memory_margin on the card: the allocator holds 1 GiB of freed memory; another user of the
-// device (cudaMalloc) takes 2 GiB; the next growth would leave less free than the margin, so the
-// held memory goes back first and cudaMemGetInfo sees it.
+// free_memory_margin on the card: the allocator holds 1 GiB of freed memory in two spans that a
+// live huge block keeps apart; another user of the device (cudaMalloc) takes 2 GiB; the next
+// growth (a 600 MiB block fits neither span) would leave less free than the margin, so every free
+// chunk goes back first (what the growth can use is mapped again) and cudaMemGetInfo sees it.
 TEST_CASE("gpu pressure: free_memory_margin gives held free memory back before a growth leaves the device short") {
   warm_up();
   const std::size_t f0 = free_device_memory();
@@ -249,27 +250,30 @@ TEST_CASE("gpu pressure: free_memory_margin gives held free memory back before a
   {
     vmm::allocator a(o);
     std::vector<void*> v;
-    for (int i = 0; i < 64; ++i) v.push_back(a.allocate(16 * MiB));
+    for (int i = 0; i < 16; ++i) v.push_back(a.allocate(32 * MiB));  // span A
+    void* h = a.allocate(300 * MiB);                                  // a huge block after A
+    for (int i = 0; i < 16; ++i) v.push_back(a.allocate(32 * MiB));  // span B, after it
     CHECK(a.stats().margin_trims == 0);  // the device had room for every growth
     for (void* p : v) a.deallocate(p);
     GPU_CHECK(cudaDeviceSynchronize());
     const std::size_t held = a.stats().physical;
-    CHECK(held >= GiB);
+    CHECK(held >= GiB + 300 * MiB);
 
     void* other = nullptr;
     GPU_CHECK(cudaMalloc(&other, 2 * GiB));  // another user of the device
-    void* big = a.allocate(512 * MiB);       // a huge block: a growth, now short of the margin
-    gpu::fill(big, 512 * MiB, 21, nullptr);
-    CHECK(gpu::verify(big, 512 * MiB, 21, nullptr) == 0);
+    void* big = a.allocate(600 * MiB);       // fits neither span: a growth, now short of the margin
+    gpu::fill(big, 600 * MiB, 21, nullptr);
+    CHECK(gpu::verify(big, 600 * MiB, 21, nullptr) == 0);
     const auto s = a.stats();
     CHECK(s.margin_trims == 1);
-    CHECK(s.physical <= 512 * MiB + 8 * MiB);  // the rest of the held gigabyte went back
+    CHECK(s.physical <= 900 * MiB + 16 * MiB);  // the huge block and the new one; the rest went back
     const std::size_t f1 = free_device_memory();
     MESSAGE("held " << (held >> 20) << " MiB before; after the growth physical " << (s.physical >> 20)
                     << " MiB, device free " << (f1 >> 20) << " MiB (start " << (f0 >> 20) << " MiB)");
-    if (!gpu::skip_meminfo_checks()) CHECK(f1 + 64 * MiB >= f0 - 2 * GiB - 512 * MiB);
+    if (!gpu::skip_meminfo_checks()) CHECK(f1 + 64 * MiB >= f0 - 2 * GiB - 900 * MiB);
     CHECK(a.check() == "");
     a.deallocate(big);
+    a.deallocate(h);
     GPU_CHECK(cudaFree(other));
   }
   check_memory_back(f0, "after the margin case");

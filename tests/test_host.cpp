@@ -223,6 +223,28 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
   }
 }
 
+TEST_CASE("a huge request served from a free span block keeps its alignment") {
+  vmm::options o = conf::small_options();
+  o.huge_threshold = 16 * MiB;
+  o.thread_cache_large = false;
+  auto a = vmm::allocator::host(o);
+  void* off = a.allocate(3 * MiB + 256);  // the span's free memory starts off any power of two
+  std::vector<void*> v;
+  for (int i = 0; i < 8; ++i) v.push_back(a.allocate(8 * MiB));
+  for (void* p : v) a.deallocate(p);
+  const auto calls = a.stats().calls.total();
+  for (std::size_t align : {std::size_t{256}, std::size_t{4096}, MiB, 2 * MiB}) {
+    CAPTURE(align);
+    void* h = a.allocate(20 * MiB, align);  // huge, fits the free span memory
+    CHECK(reinterpret_cast<std::uintptr_t>(h) % align == 0);
+    std::memset(h, 5, 20 * MiB);
+    a.deallocate(h);
+  }
+  CHECK(a.stats().calls.total() == calls);  // every one from the span: no driver call
+  CHECK(a.check() == "");
+  a.deallocate(off);
+}
+
 TEST_CASE("split_freed_huge: a freed huge block serves other sizes with no driver call, in stream order") {
   for (bool split : {false, true}) {
     CAPTURE(split);

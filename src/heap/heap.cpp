@@ -55,7 +55,7 @@ result<std::uintptr_t> heap::allocate_once(std::size_t n, std::size_t align, str
   align = std::max(align, kUnit);
   if (n <= m.small_limit() && align <= kUnit) return m.allocate_small(n, s);
   const bool huge = (n >= m.a.opts().huge_threshold || m.whole_chunks()) && align <= m.G;
-  result<impl::block*> r = huge ? m.allocate_huge(n, s) : m.allocate_large(n, align, s);
+  result<impl::block*> r = huge ? m.allocate_huge(n, align, s) : m.allocate_large(n, align, s);
   if (!r.ok()) return {0, r.st};
   m.note_alloc(n, r.value->size);
   return {r.value->addr, {}};

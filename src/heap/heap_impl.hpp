@@ -266,7 +266,8 @@ struct heap::impl {
   void uncache_huge(block* b);
 
   // ---- huge path ----
-  result<block*> allocate_huge(std::size_t n, stream_t x);
+  // align <= G: chunks of its own are G-aligned; a span block is aligned as asked.
+  result<block*> allocate_huge(std::size_t n, std::size_t align, stream_t x);
 
   void free_huge(block* b, stream_t s);
 

@@ -43,7 +43,7 @@ void heap::impl::uncache_huge(block* b) {
     }
 }
 
-result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) {
+result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t align, stream_t x) {
   std::size_t size = round_up(n, G);
   if (size < n) return {nullptr, fail(errc::out_of_memory, "size overflows")};
   // A cached chunk of the same size (up to 1/8 larger) costs no driver call at all.
@@ -61,7 +61,7 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, stream_t x) 
   // chunks, or creating). Real training processes change shapes every step, and with them the
   // sizes of their largest blocks: the cache above misses, span memory is there.
   if (!whole_chunks()) {
-    auto sp = allocate_large(n, kUnit, x, false);
+    auto sp = allocate_large(n, align, x, false);
     if (!sp.ok() || sp.value) return sp;
   }
   const bool pressed = relieve_pressure(size, x);

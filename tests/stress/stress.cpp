@@ -3,6 +3,7 @@
 //
 //   vmm-stress [--threads N] [--ops M] [--max-size BYTES] [--seed S] [--streams K]
 //              [--max-live L] [--huge-threshold BYTES] [--check-every C] [--hold-streams]
+//              [--option NAME=VALUE ...]
 //
 // Each thread allocates (sizes log-uniform from 1 B to --max-size, now and then an alignment above
 // the default), frees a random block of its own on a random stream (so cross-stream frees happen),
@@ -38,6 +39,7 @@
 
 #include "fault/pattern.hpp"
 #include "support/fault_backend.hpp"
+#include "vmmalloc/options.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 using namespace vmm;
@@ -55,6 +57,7 @@ struct config {
   std::size_t huge_threshold = std::size_t{16} << 20;
   std::uint64_t check_every = 0;  // thread 0 runs check() every C of its ops (0: only at the end)
   bool hold_streams = false;  // a thread holds and completes the streams' fences at random
+  std::vector<std::string> option_texts;  // --option NAME=VALUE: any row of the options table
 };
 
 struct blk {
@@ -218,6 +221,7 @@ int usage() {
   std::fprintf(stderr,
                "usage: vmm-stress [--threads N] [--ops M (per thread)] [--max-size BYTES] [--seed S]\n"
                "                  [--streams K] [--max-live L] [--huge-threshold BYTES] [--check-every C] [--hold-streams]\n"
+               "                  [--option NAME=VALUE (README.md's options table; repeatable)]\n"
                "sizes accept K/M/G suffixes (binary)\n");
   return 2;
 }
@@ -241,6 +245,7 @@ int main(int argc, char** argv) {
     else if (a == "--huge-threshold") val(c.huge_threshold);
     else if (a == "--check-every") val(v), c.check_every = v;
     else if (a == "--hold-streams") c.hold_streams = true;
+    else if (a == "--option" && i + 1 < argc) c.option_texts.push_back(argv[++i]);
     else return usage();
   }
   if (c.threads == 0 || c.max_size == 0 || c.max_live == 0) return usage();
@@ -248,6 +253,14 @@ int main(int argc, char** argv) {
   options o;
   o.reservation_size = std::size_t{64} << 30;
   o.huge_threshold = c.huge_threshold;
+  for (const std::string& t : c.option_texts) {
+    const auto eq = t.find('=');
+    std::string why;
+    if (eq == std::string::npos || !set_option(o, t.substr(0, eq), t.substr(eq + 1), &why).ok()) {
+      std::fprintf(stderr, "vmm-stress: --option %s: %s\n", t.c_str(), why.empty() ? "expected NAME=VALUE" : why.c_str());
+      return 2;
+    }
+  }
   host_backend_options h;
   h.physical_limit = std::size_t{1} << 40;  // simulated; memfd pages cost only when touched
   auto st = std::make_shared<fault_state>();

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -529,6 +530,36 @@ TEST_CASE("policy: free_memory_margin gives free memory back before a growth tha
   CHECK(short_.physical <= 620 * M);
   CHECK(short_.physical >= 600 * M);
   CHECK(short_.device_free >= off.device_free + 150 * M);
+}
+
+// Chunks freed long enough ago go back on a later free; recently freed ones stay. Sleeps are
+// generous against the 50 ms period: the test asserts order, not timing precision.
+TEST_CASE("policy: idle_decay_ms gives back free chunks unused for that long, on a later free") {
+  for (int decay : {0, 50}) {
+    CAPTURE(decay);
+    vmm::options o = conf::small_options();
+    o.idle_decay_ms = decay;
+    o.thread_cache_large = false;  // every free reaches the heap
+    auto a = vmm::allocator::host(o);
+    std::vector<void*> old;
+    for (int i = 0; i < 8; ++i) old.push_back(a.allocate(8 * MiB));
+    void* keep = a.allocate(8 * MiB);
+    for (void* p : old) a.deallocate(p);
+    const std::size_t held = a.stats().mapped;
+    CHECK(held >= 72 * MiB);  // all still mapped: freed just now
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    void* fresh = a.allocate(1 * MiB);
+    a.deallocate(fresh);  // a later free: the decay check runs here
+    const auto s = a.stats();
+    if (decay) {
+      CHECK(s.mapped < held);
+      CHECK(s.mapped <= 16 * MiB + 2 * MiB);  // what `keep` and the fresh block's chunk span
+    } else {
+      CHECK(s.mapped == held);
+    }
+    CHECK(a.check() == "");
+    a.deallocate(keep);
+  }
 }
 
 TEST_CASE("policy: the default reservation is twice the device memory") {

@@ -55,6 +55,7 @@ typedef struct vmm_policy {
   const char* trace_path;     /* NULL/"": off; else every malloc/free is written there (trace format) */
   size_t free_memory_margin;  /* 0: off; else free memory is given back first when a growth would
                                  leave the device less than this */
+  int idle_decay_ms;          /* 0: off; else free chunks unused this long are given back */
 } vmm_policy;
 
 typedef struct vmm_stats {

@@ -3,6 +3,7 @@
 #include "arena/arena.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cassert>
 
 #include "vm/granularity.hpp"
@@ -397,6 +398,10 @@ void arena::lru_push(std::uint32_t id) {
   l.tail = id;
   l.bytes += c.size;
   free_chunk_bytes_ += c.size;
+  // Oldest at the head: idle decay walks from there. A clock read only where the option is set.
+  if (opt_.idle_decay_ms > 0)
+    c.free_since = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 void arena::lru_remove(std::uint32_t id) {

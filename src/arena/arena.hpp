@@ -69,6 +69,7 @@ class arena {
     std::uint32_t owner = 0;    // heap's tag for this chunk (0 = heap-managed span, 1 = huge, ...)
     std::uint16_t heap = 0;     // which heap owns it (0: the allocator's; others: graph pools)
     bool compressed = false;    // what the driver granted (compression policy)
+    std::int64_t free_since = 0;  // steady-clock ns when it joined the free list (idle_decay_ms only)
   };
 
   arena(std::unique_ptr<backend_iface> b, const options& o);

@@ -302,6 +302,10 @@ struct heap::impl {
   void complete_free(std::uintptr_t p, stream_t s);
 
   void maybe_release();
+  // idle_decay_ms: gives back free chunks that have been free that long (oldest first, those
+  // other streams' work still uses skipped), and idle handles once nothing grew for that long.
+  void decay_idle();
+  std::int64_t last_decay = 0, last_growth = 0;  // steady-clock ns (idle_decay_ms only)
   // Out-of-memory path: empty slabs, free chunks (into idle handles), deferred frees. true when
   // something was given back or is now idle for the retry to map.
   bool reclaim();

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Spans of mapped VA: split and coalesce blocks, grow by mapping chunks, release wholly free
 // chunks (stitching their handles, the release threshold). See heap.hpp.
+#include <chrono>
+
 #include "heap/heap_impl.hpp"
 
 namespace vmm {
@@ -103,6 +105,9 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
 
 status heap::impl::grow(std::size_t need, stream_t x) {
   ++st.grows;
+  if (a.opts().idle_decay_ms > 0)
+    last_growth = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now().time_since_epoch()).count();
   std::size_t size = round_up(need, G);
   const bool pressed = relieve_pressure(size, x);
   if (a.opts().stitch_on_grow && !pressed) {
@@ -287,8 +292,24 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
   return {};
 }
 
+void heap::impl::decay_idle() {
+  const std::int64_t period = std::int64_t{a.opts().idle_decay_ms} * 1000000;
+  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (now - last_decay < std::max<std::int64_t>(period / 4, 1000000)) return;
+  last_decay = now;
+  std::uint32_t id = a.oldest_free_chunk(hid);
+  while (id != arena::no_chunk && now - a.get(id).free_since >= period) {
+    bool busy = false;
+    if (!release_chunk(id, false, false, busy).ok()) return;
+    id = busy ? a.get(id).lru_next : a.oldest_free_chunk(hid);
+  }
+  if (a.idle_bytes() && now - last_growth >= period) (void)a.release_idle(0, true);
+}
+
 void heap::impl::maybe_release() {
   if (private_pool) return;
+  if (a.opts().idle_decay_ms > 0) decay_idle();
   const std::size_t keep = a.opts().release_threshold;
   if (a.free_chunk_bytes() + a.idle_bytes() <= keep) return;  // the common case: two loads
   a.release_idle(keep > a.free_chunk_bytes() ? keep - a.free_chunk_bytes() : 0);  // allocator-wide: the option is

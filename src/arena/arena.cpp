@@ -3,7 +3,6 @@
 #include "arena/arena.hpp"
 
 #include <algorithm>
-#include <chrono>
 #include <cassert>
 
 #include "vm/granularity.hpp"
@@ -399,9 +398,7 @@ void arena::lru_push(std::uint32_t id) {
   l.bytes += c.size;
   free_chunk_bytes_ += c.size;
   // Oldest at the head: idle decay walks from there. A clock read only where the option is set.
-  if (opt_.idle_decay_ms > 0)
-    c.free_since = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (opt_.idle_decay_ms > 0) c.free_since = steady_ns();
 }
 
 void arena::lru_remove(std::uint32_t id) {

@@ -23,6 +23,7 @@
 // Thread safety: none here. The front end serialises heap and arena under its locks.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -40,6 +41,12 @@
 #include "vmmalloc/stats.hpp"
 
 namespace vmm {
+
+// Steady-clock nanoseconds: the timestamps of idle decay (options.idle_decay_ms).
+inline std::int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 struct arena_stats {
   std::size_t reserved = 0, mapped = 0, physical = 0, idle = 0, free_chunk_bytes = 0;

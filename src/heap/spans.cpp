@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Spans of mapped VA: split and coalesce blocks, grow by mapping chunks, release wholly free
 // chunks (stitching their handles, the release threshold). See heap.hpp.
-#include <chrono>
-
 #include "heap/heap_impl.hpp"
 
 namespace vmm {
@@ -105,9 +103,7 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
 
 status heap::impl::grow(std::size_t need, stream_t x) {
   ++st.grows;
-  if (a.opts().idle_decay_ms > 0)
-    last_growth = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                      std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (a.opts().idle_decay_ms > 0) last_growth = steady_ns();
   std::size_t size = round_up(need, G);
   const bool pressed = relieve_pressure(size, x);
   if (a.opts().stitch_on_grow && !pressed) {
@@ -294,8 +290,7 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
 
 void heap::impl::decay_idle() {
   const std::int64_t period = std::int64_t{a.opts().idle_decay_ms} * 1000000;
-  const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                               std::chrono::steady_clock::now().time_since_epoch()).count();
+  const std::int64_t now = steady_ns();
   if (now - last_decay < std::max<std::int64_t>(period / 4, 1000000)) return;
   last_decay = now;
   std::uint32_t id = a.oldest_free_chunk(hid);

@@ -30,6 +30,28 @@ int dup_fd(int fd, const char* context) {
   return d;
 }
 
+// Creates b.buf (able to hold external memory when `external`) and returns its memory
+// requirements; sets `dedicated` when the driver requires a dedicated allocation.
+VkMemoryRequirements new_buffer(context::impl& m, buffer::impl& b, bool external, bool& dedicated,
+                                const std::string& where) {
+  VkExternalMemoryBufferCreateInfo ebi{VK_STRUCTURE_TYPE_EXTERNAL_MEMORY_BUFFER_CREATE_INFO};
+  ebi.handleTypes = kMemFd;
+  VkBufferCreateInfo bci{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
+  bci.pNext = external ? &ebi : nullptr;
+  bci.size = b.size;
+  bci.usage = kUsage;
+  bci.sharingMode = VK_SHARING_MODE_EXCLUSIVE;
+  created(m.f.vkCreateBuffer(m.device, &bci, nullptr, &b.buf), b.buf, "vkCreateBuffer", where);
+  VkMemoryDedicatedRequirements dr{VK_STRUCTURE_TYPE_MEMORY_DEDICATED_REQUIREMENTS};
+  VkMemoryRequirements2 r2{VK_STRUCTURE_TYPE_MEMORY_REQUIREMENTS_2};
+  r2.pNext = &dr;
+  VkBufferMemoryRequirementsInfo2 ri{VK_STRUCTURE_TYPE_BUFFER_MEMORY_REQUIREMENTS_INFO_2};
+  ri.buffer = b.buf;
+  m.f.vkGetBufferMemoryRequirements2(m.device, &ri, &r2);
+  if (dr.requiresDedicatedAllocation) dedicated = true;
+  return r2.memoryRequirements;
+}
+
 }  // namespace
 
 buffer::buffer() = default;
@@ -72,27 +94,12 @@ buffer context::create_buffer(std::uint64_t size, buffer_kind kind, bool dedicat
   b->ctx = p_;
   b->exportable = exportable;
   b->size = size;
-  VkExternalMemoryBufferCreateInfo ebi{VK_STRUCTURE_TYPE_EXTERNAL_MEMORY_BUFFER_CREATE_INFO};
-  ebi.handleTypes = kMemFd;
-  VkBufferCreateInfo bci{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
-  bci.pNext = exportable ? &ebi : nullptr;
-  bci.size = size;
-  bci.usage = kUsage;
-  bci.sharingMode = VK_SHARING_MODE_EXCLUSIVE;
-  created(f.vkCreateBuffer(m.device, &bci, nullptr, &b->buf), b->buf, "vkCreateBuffer", where);
-
-  VkMemoryDedicatedRequirements dr{VK_STRUCTURE_TYPE_MEMORY_DEDICATED_REQUIREMENTS};
-  VkMemoryRequirements2 r2{VK_STRUCTURE_TYPE_MEMORY_REQUIREMENTS_2};
-  r2.pNext = &dr;
-  VkBufferMemoryRequirementsInfo2 ri{VK_STRUCTURE_TYPE_BUFFER_MEMORY_REQUIREMENTS_INFO_2};
-  ri.buffer = b->buf;
-  f.vkGetBufferMemoryRequirements2(m.device, &ri, &r2);
-  if (dr.requiresDedicatedAllocation) dedicated = true;
+  const VkMemoryRequirements req = new_buffer(m, *b, exportable, dedicated, where);
   const bool host = kind == buffer_kind::host_visible;
   const std::uint32_t type =
-      host ? m.pick_type(r2.memoryRequirements.memoryTypeBits,
+      host ? m.pick_type(req.memoryTypeBits,
                          VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT, 0)
-           : m.pick_type(r2.memoryRequirements.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT,
+           : m.pick_type(req.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT,
                          VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
   if (type == UINT32_MAX)
     fail(errc::not_supported, host ? "no host-visible coherent memory type" : "no device-local memory type",
@@ -113,7 +120,7 @@ buffer context::create_buffer(std::uint64_t size, buffer_kind kind, bool dedicat
   }
   VkMemoryAllocateInfo mai{VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO};
   mai.pNext = chain;
-  mai.allocationSize = r2.memoryRequirements.size;
+  mai.allocationSize = req.size;
   mai.memoryTypeIndex = type;
   created(f.vkAllocateMemory(m.device, &mai, nullptr, &b->mem), b->mem, "vkAllocateMemory", where);
   b->allocation_size = mai.allocationSize;
@@ -140,26 +147,12 @@ buffer context::import_fd(int fd, std::uint64_t size) {
   auto b = std::make_unique<buffer::impl>();
   b->ctx = p_;
   b->size = size;
-  VkExternalMemoryBufferCreateInfo ebi{VK_STRUCTURE_TYPE_EXTERNAL_MEMORY_BUFFER_CREATE_INFO};
-  ebi.handleTypes = kMemFd;
-  VkBufferCreateInfo bci{VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO};
-  bci.pNext = &ebi;
-  bci.size = size;
-  bci.usage = kUsage;
-  bci.sharingMode = VK_SHARING_MODE_EXCLUSIVE;
-  created(f.vkCreateBuffer(m.device, &bci, nullptr, &b->buf), b->buf, "vkCreateBuffer", where);
-  VkMemoryDedicatedRequirements dr{VK_STRUCTURE_TYPE_MEMORY_DEDICATED_REQUIREMENTS};
-  VkMemoryRequirements2 r2{VK_STRUCTURE_TYPE_MEMORY_REQUIREMENTS_2};
-  r2.pNext = &dr;
-  VkBufferMemoryRequirementsInfo2 ri{VK_STRUCTURE_TYPE_BUFFER_MEMORY_REQUIREMENTS_INFO_2};
-  ri.buffer = b->buf;
-  f.vkGetBufferMemoryRequirements2(m.device, &ri, &r2);
-  if (dr.requiresDedicatedAllocation) dedicated = true;
+  const VkMemoryRequirements req = new_buffer(m, *b, true, dedicated, where);
   // The payload is `size` bytes: the buffer must fit in it.
-  if (r2.memoryRequirements.size > size)
+  if (req.size > size)
     fail(errc::invalid_value, "the buffer needs more memory than the imported payload", "vkGetBufferMemoryRequirements2",
-         where + ": needs " + std::to_string(r2.memoryRequirements.size) + " B, payload " + std::to_string(size) + " B");
-  const std::uint32_t type = m.pick_type(r2.memoryRequirements.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT,
+         where + ": needs " + std::to_string(req.size) + " B, payload " + std::to_string(size) + " B");
+  const std::uint32_t type = m.pick_type(req.memoryTypeBits, VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT,
                                          VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT);
   if (type == UINT32_MAX)
     fail(errc::not_supported, "no device-local memory type for the buffer", "vkGetPhysicalDeviceMemoryProperties", where);

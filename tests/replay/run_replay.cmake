@@ -1,17 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Runs vmm-replay on the shared trace and asserts: exit 0, the table and the
 # "peak mapped / peak live" line for vmmalloc are printed, and the JSON has both allocators.
-# (A plain add_test with PASS_REGULAR_EXPRESSION would ignore the exit code.)
-execute_process(
-  COMMAND ${REPLAY} ${TRACE} --allocators vmmalloc,null --check-every 50000 --json ${JSON}
-  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-message("${out}")
-if(err)
-  message("stderr:\n${err}")
-endif()
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "vmm-replay exited with ${rc}")
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/replay_ok.cmake)
+vmm_replay_ok(out ${TRACE} --allocators vmmalloc,null --check-every 50000 --json ${JSON})
 if(NOT out MATCHES "vmmalloc: peak mapped / peak live = [0-9.]+")
   message(FATAL_ERROR "no 'vmmalloc: peak mapped / peak live' line in the output")
 endif()

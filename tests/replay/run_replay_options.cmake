@@ -6,6 +6,7 @@
 # Needs REPLAY, SRC, WORK.
 set(T ${SRC}/options-trace.txt)
 file(MAKE_DIRECTORY ${WORK})
+include(${CMAKE_CURRENT_LIST_DIR}/replay_ok.cmake)
 
 function(expect_usage what want_rc want_msg)
   execute_process(COMMAND ${REPLAY} ${T} --allocators vmmalloc ${ARGN}
@@ -27,15 +28,11 @@ expect_usage("memory_limit reaches the allocator" 3 "allocation failed at event 
 
 # Runs the trace with ARGN, writes the JSON, returns one numeric field of vmmalloc's entry.
 function(replay_field out_var field json)
-  execute_process(COMMAND ${REPLAY} ${T} --allocators vmmalloc --json ${json} ${ARGN}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "vmm-replay ${ARGN}: exit ${rc}\n${out}${err}")
-  endif()
+  vmm_replay_ok(out ${T} --allocators vmmalloc --json ${json} ${ARGN})
   file(READ ${json} j)
   string(JSON v GET "${j}" 0 ${field})
   set(${out_var} "${v}" PARENT_SCOPE)
-  set(${out_var}_out "${out}${err}" PARENT_SCOPE)
+  set(${out_var}_out "${out}${out_err}" PARENT_SCOPE)
 endfunction()
 
 replay_field(kept chunk_releases ${WORK}/default.json)

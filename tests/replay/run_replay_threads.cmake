@@ -1,17 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # vmm-replay on a small v2 trace (threads-trace.txt): one replay thread per recorded thread, with
 # and without --lag, and --threads one; the JSON says what ran. Host backend only.
+include(${CMAKE_CURRENT_LIST_DIR}/replay_ok.cmake)
 function(replay_json out_var)
-  execute_process(COMMAND ${REPLAY} ${SRC}/threads-trace.txt --allocators vmmalloc,null --check-every 2
-                          --json ${WORK}/threads.json ${ARGN}
-                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  message("${out}${err}")
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "vmm-replay ${ARGN}: exit ${rc}, want 0")
-  endif()
+  vmm_replay_ok(out ${SRC}/threads-trace.txt --allocators vmmalloc,null --check-every 2
+                --json ${WORK}/threads.json ${ARGN})
   file(READ ${WORK}/threads.json json)
   set(${out_var} "${json}" PARENT_SCOPE)
-  set(OUT "${out}${err}" PARENT_SCOPE)
+  set(OUT "${out}${out_err}" PARENT_SCOPE)
 endfunction()
 
 function(expect json index key want)

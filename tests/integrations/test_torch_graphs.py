@@ -33,13 +33,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "python"))
 
-failures = []
-
-
-def expect(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what, flush=True)
-    if not cond:
-        failures.append(what)
+from checks import expect, failures  # noqa: E402  (tests/integrations/checks.py)
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):

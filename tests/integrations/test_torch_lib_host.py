@@ -21,14 +21,9 @@ for k in [k for k in os.environ if k.startswith("VMMALLOC_") and k not in _KEEP]
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
 import vmmalloc_torch as vt  # noqa: E402
 
+from checks import expect, failures  # noqa: E402  (tests/integrations/checks.py)
+
 MiB = 1 << 20
-failures = []
-
-
-def expect(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what)
-    if not cond:
-        failures.append(what)
 
 
 lib = vt.load()

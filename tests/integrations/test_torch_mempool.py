@@ -22,13 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
 
-failures = []
-
-
-def expect(cond, what):
-    print(("ok    " if cond else "FAIL  ") + what, flush=True)
-    if not cond:
-        failures.append(what)
+from checks import expect, failures  # noqa: E402  (tests/integrations/checks.py)
 
 
 def main():

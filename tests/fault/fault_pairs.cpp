@@ -86,6 +86,20 @@ void report(const std::vector<std::string>& problems) {
   std::fflush(stdout);
 }
 
+// One pair swept: the first fault at every k up to `calls`, the second refused kTimes[ti] times
+// (faults varied with k and ti); run(k, first, second, times, tally) makes one run. Prints the
+// tally and its problems; the caller asserts on it.
+template <class Run>
+sweep_tally sweep_pair(const char* title, const pair_spec& pr, std::uint64_t calls, Run run) {
+  sweep_tally t;
+  for (std::uint64_t k = 1; k <= calls; ++k)
+    for (std::size_t ti = 0; ti < std::size(kTimes); ++ti)
+      run(k, static_cast<fault>((k + ti) % fault_count), static_cast<fault>(ti % fault_count), kTimes[ti], t);
+  t.print(title, pr);
+  report(t.problems);
+  return t;
+}
+
 options small_opts() {
   options o;
   o.reservation_size = std::size_t{1} << 30;
@@ -400,13 +414,11 @@ TEST_CASE("pairs in growable_buffer::resize: every k, the second refused 1, 2, 3
     report(base.problems);
     REQUIRE(base.problems.empty());
     for (const auto& pr : pairs) {
-      sweep_tally t;
-      for (std::uint64_t k = 1; k <= calls[static_cast<int>(pr.first)]; ++k)
-        for (std::size_t ti = 0; ti < std::size(kTimes); ++ti)
-          gb_run(&pr, k, static_cast<fault>((k + ti) % fault_count), static_cast<fault>(ti % fault_count), kTimes[ti],
-                 geometric, t, nullptr);
-      t.print(geometric ? "buffer (geo)" : "buffer", pr);
-      report(t.problems);
+      const sweep_tally t = sweep_pair(
+          geometric ? "buffer (geo)" : "buffer", pr, calls[static_cast<int>(pr.first)],
+          [&](std::uint64_t k, fault f, fault f2, std::uint64_t times, sweep_tally& tt) {
+            gb_run(&pr, k, f, f2, times, geometric, tt, nullptr);
+          });
       CAPTURE(op_name(pr.first));
       CAPTURE(op_name(pr.second));
       CHECK(t.runs > 0);
@@ -569,13 +581,10 @@ TEST_CASE("pairs in kv_cache::append (pooled and created pages in one mapping): 
   report(base.problems);
   REQUIRE(base.problems.empty());
   for (const auto& pr : pairs) {
-    sweep_tally t;
-    for (std::uint64_t k = 1; k <= calls[static_cast<int>(pr.first)]; ++k)
-      for (std::size_t ti = 0; ti < std::size(kTimes); ++ti)
-        kv_run(&pr, k, static_cast<fault>((k + ti) % fault_count), static_cast<fault>(ti % fault_count), kTimes[ti], t,
-               nullptr);
-    t.print("kv_cache", pr);
-    report(t.problems);
+    const sweep_tally t = sweep_pair("kv_cache", pr, calls[static_cast<int>(pr.first)],
+                                     [&](std::uint64_t k, fault f, fault f2, std::uint64_t times, sweep_tally& tt) {
+                                       kv_run(&pr, k, f, f2, times, tt, nullptr);
+                                     });
     CAPTURE(op_name(pr.first));
     CAPTURE(op_name(pr.second));
     CHECK(t.runs > 0);
@@ -671,12 +680,10 @@ TEST_CASE("pairs in ipc::try_import of a three-chunk export: every k, second ref
   for (const auto& pr : pairs) {
     // One import of three chunks: three import_handle and map calls, one set_access.
     const std::uint64_t n = pr.first == op::set_access ? 1 : 3;
-    sweep_tally t;
-    for (std::uint64_t k = 1; k <= n; ++k)
-      for (std::size_t ti = 0; ti < std::size(kTimes); ++ti)
-        ipc_run(ex, pr, k, static_cast<fault>((k + ti) % fault_count), static_cast<fault>(ti % fault_count), kTimes[ti], t);
-    t.print("ipc import", pr);
-    report(t.problems);
+    const sweep_tally t = sweep_pair("ipc import", pr, n,
+                                     [&](std::uint64_t k, fault f, fault f2, std::uint64_t times, sweep_tally& tt) {
+                                       ipc_run(ex, pr, k, f, f2, times, tt);
+                                     });
     CAPTURE(op_name(pr.first));
     CAPTURE(op_name(pr.second));
     CHECK(t.problems.empty());

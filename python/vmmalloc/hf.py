@@ -2,32 +2,38 @@
 """VmmCache: a transformers Cache whose keys and values live in a vmmalloc KVCache.
 
     from vmmalloc.hf import VmmCache
-    cache = VmmCache(model.config, max_batch_size=8, max_cache_len=8192)
+    cache = VmmCache(model.config, max_cache_len=8192)
     out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=512)
-    cache.reset()     # the generation is over: slots closed, pages kept mapped for the next one
+    cache.reset()     # the generation is over: pages kept mapped for the next one
     ...
     cache.release()   # physical memory back to the device (the address range stays reserved)
 
 How it maps onto transformers' Cache API (written against transformers 5.17's cache_utils.py,
 checked at run time; 4.56+ has the same layered API with older signatures, also accepted):
-  * One vmmalloc KVCache holds every layer: layers x (K, V) buffers of max_batch_size rows of
-    max_cache_len tokens, token-major ([token][kv_heads][head_dim]), so a row's pages are
-    mapped only as its tokens arrive and the waste is under one 2 MiB page per layer, K|V and row.
-    It is created at the first update (dtype, device, kv_heads and head_dim come from the key
-    states); only virtual address space is reserved up front (~3 us, whatever the size).
-  * Batch row b is sequence slot b. Left padding needs nothing special: every row has the same
-    length (pad positions are masked by transformers), so each new token is one append per row.
+  * One vmmalloc KVCache sequence holds the whole cache, packed token-major: token t of every
+    layer and row lies together, K as [token][layer][row][kv_heads][head_dim] in one buffer and V
+    likewise in the other. Pages are mapped only as tokens arrive, and the waste is under one
+    2 MiB page for K and one for V whatever the layers and rows (a per-layer, per-row layout wastes
+    up to a page per layer, K|V and row: 64 MiB for 16 layers at batch 1). Every row is as long as
+    the longest, as with DynamicCache's [batch, heads, tokens, dim] tensors. The cache is created
+    at the first update (dtype, device, kv_heads and head_dim come from the key states); only
+    virtual address space is reserved up front (~3 us, whatever the size).
+  * Rows: max_batch_size of them, every token holds all (pass it only when a later batch grows:
+    beam search expanding after the first update; None = the first update's batch, re-laid out
+    when a later generation brings a larger batch). Left padding needs nothing special: pad
+    positions are masked by transformers, so each new token is one append for every row.
   * Cache.layers holds one VmmLayer per model layer (CacheLayerMixin). update() appends the new
-    tokens to every row when this layer is the first to pass the current length (mapping pages only
-    when a row crosses a page), copies the key/value states in (one copy kernel each, the same as
+    tokens when this layer is the first to pass the current length (mapping pages only when the
+    cache crosses a page), copies the key/value states in (one copy kernel each, the same as
     DynamicLayer's torch.cat minus the copy of the old tokens), and returns views [B, H, 0:len, D]
-    of the same memory: last dimension contiguous, strides (seq_stride, head_dim, kv_heads *
-    head_dim, 1), accepted by SDPA (flash, efficient, math) and eager attention. Old tokens never move.
+    of the same memory: last dimension contiguous, strides (kv_heads * head_dim, head_dim,
+    token_stride, 1), accepted by SDPA (flash, efficient, math) and eager attention. Old tokens
+    never move.
   * get_seq_length / get_mask_sizes / get_max_length behave as DynamicLayer's (kv_length = cached +
     query, offset 0), so masks and positions are the ones DynamicCache gets: same numbers.
-  * reset() ends the sequences (slots closed; with retain_closed, the default, their pages stay
-    mapped and the next generation reuses them with no driver call); release() also returns the
-    physical memory; crop() truncates every row; reorder_cache / batch_select_indices /
+  * reset() ends the generation (the sequence closed; with retain_closed, the default, its pages
+    stay mapped and the next generation reuses them with no driver call); release() also returns
+    the physical memory; crop() truncates every row; reorder_cache / batch_select_indices /
     batch_repeat_interleave gather rows (a copy, like DynamicLayer's index_select).
   * Not supported (clear errors): sliding-window, chunked or linear-attention layers, keys and
     values of different head sizes, offloading, torch.compile (is_compileable is False, so
@@ -150,9 +156,10 @@ class VmmCache(Cache):
 
     config: the model's config (num_hidden_layers, max_position_embeddings; its layer types are
       checked: only full attention). Or num_layers without a config.
-    max_batch_size: rows (sequence slots); None = the batch size of the first update.
+    max_batch_size: rows every token holds; None = the batch size of the first update (a later,
+      larger batch re-lays the cache out between generations). Rows beyond the batch cost memory.
     max_cache_len: tokens per row (prompt + new tokens); None = config.max_position_embeddings.
-      Costs only virtual address space: 2 x layers x rows x round_up(len x token bytes, 2 MiB).
+      Costs only virtual address space: 2 x round_up(len x layers x rows x token bytes, 2 MiB).
     backend: "cuda" or "host"; None = from the key states' device (cpu -> host memory).
     retain_closed (default True): reset() keeps the pages mapped for the next generation.
     map_ahead_tokens / map_ahead_pages: a background thread maps pages ahead of the rows, so
@@ -179,6 +186,7 @@ class VmmCache(Cache):
             raise _invalid("VmmCache: max_batch_size must be > 0 (%r)" % (max_batch_size,))
         self._max_cache_len = int(max_cache_len)
         self._max_batch_size = None if max_batch_size is None else int(max_batch_size)
+        self._rows_given = max_batch_size is not None  # else a larger later batch re-lays the cache out
         self._backend = backend
         self._kv_opts = dict(retain_closed=retain_closed, map_ahead_tokens=map_ahead_tokens,
                              map_ahead_pages=map_ahead_pages, page_size=page_size, pool_keep_pages=pool_keep_pages,
@@ -215,7 +223,10 @@ class VmmCache(Cache):
             raise _invalid("VmmCache: backend %r cannot hold tensors on %s" % (backend, dev))
         index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         rows = self._max_batch_size or int(B)
-        self._kv = KVCache(layers=len(self.layers), kv_heads=int(H), head_dim=int(D), max_seqs=rows,
+        L = len(self.layers)
+        # One sequence whose "heads" are every layer's rows' heads: K of token t is
+        # [layer][row][head][dim] at token t of the K buffer, V likewise in the V buffer.
+        self._kv = KVCache(layers=1, kv_heads=L * rows * int(H), head_dim=int(D), max_seqs=1,
                            max_tokens=self._max_cache_len, dtype=k.dtype, backend=backend, device=index,
                            **self._kv_opts)
         self._max_batch_size = rows
@@ -223,9 +234,10 @@ class VmmCache(Cache):
         self._H, self._D = int(H), int(D)
         self._flat = self._kv.flat_tensor(k.dtype)
         st = self._kv.strides()
-        self._strides = (st[2], st[4], st[3], st[5])  # [row, head, token, dim]: a [B, H, T, D] view
-        self._hd = st[3]                              # elements per token
-        self._offsets = [(2 * l * st[1], (2 * l + 1) * st[1]) for l in range(len(self.layers))]
+        hd = int(H) * int(D)
+        self._hd = st[3]                                  # elements per token (all layers and rows)
+        self._strides = (hd, int(D), self._hd, 1)         # [row, head, token, dim]: a [B, H, T, D] view
+        self._offsets = [(l * rows * hd, st[1] + l * rows * hd) for l in range(L)]
 
     def _check_states(self, layer, k, v):
         if k.dim() != 4 or v.shape != k.shape:
@@ -255,6 +267,8 @@ class VmmCache(Cache):
         self._check_states(l, k, v)
         B, n = int(k.shape[0]), int(k.shape[2])
         if self._batch == 0:
+            if B > self._max_batch_size and not self._rows_given:
+                self._relayout(k, v)
             self._open_rows(B)
         elif B != self._batch:
             raise _invalid("VmmCache (layer %d): batch of %d rows, but %d are open; call reset() between "
@@ -270,35 +284,27 @@ class VmmCache(Cache):
         layer.keys, layer.values, layer.cached = keys, values, new
         return keys, values
 
-    def _open_rows(self, B, first=0):
+    def _relayout(self, k, v):
+        """Between generations, a larger batch than the cache was laid out for: a new layout with
+        that many rows (the old pages are released: every token holds every row)."""
+        self._sync()
+        self._note_peak()
+        self._kv.destroy()
+        self._kv, self._flat, self._max_batch_size = None, None, None
+        self._lazy_init(k, v)
+
+    def _open_rows(self, B):
         rows = self._max_batch_size
         if B > rows:
             raise OutOfMemoryError("VmmCache: a batch of %d rows exceeds max_batch_size %d" % (B, rows),
                                    Status.OUT_OF_MEMORY)
-        opened = []
-        try:
-            for s in range(first, B):
-                self._kv.open(s)
-                opened.append(s)
-        except Exception:
-            for s in opened:
-                self._kv.close(s)
-            raise
+        self._kv.open(0)
         self._batch = B
 
-    def _grow(self, new, rows=None):
-        """Appends to rows (default: every open row) up to `new` tokens; all or nothing."""
-        rows = range(self._batch) if rows is None else rows
-        kv, add = self._kv, new - self._tokens
-        done = []
-        try:
-            for s in rows:
-                kv.append(s, add)
-                done.append(s)
-        except Exception:
-            for s in done:  # pages just mapped: no GPU work uses them yet
-                kv.truncate(s, self._tokens)
-            raise
+    def _grow(self, new):
+        """Appends tokens up to `new` (every row: they share each token's pages); all or nothing."""
+        kv = self._kv
+        kv.append(0, new - self._tokens)
         before = kv.pages_for(self._tokens)
         self._tokens = new
         if kv.pages_for(new) != before:  # pages were mapped: one stats call, not one per token
@@ -345,8 +351,7 @@ class VmmCache(Cache):
         if self._kv is not None and self._batch:
             self._sync()
             self._note_peak()
-            for s in range(self._batch):
-                self._kv.close(s)
+            self._kv.close(0)
         self._batch = 0
         self._tokens = 0
         for layer in self.layers:
@@ -389,8 +394,8 @@ class VmmCache(Cache):
         if new >= cur or self._kv is None:
             return
         self._sync()
-        for s in range(self._batch):
-            self._kv.truncate(s, new)
+        if self._batch:
+            self._kv.truncate(0, new)
         self._tokens = new
         for l, layer in enumerate(self.layers):
             layer.cached = min(layer.cached, new)
@@ -422,25 +427,13 @@ class VmmCache(Cache):
                                    Status.OUT_OF_MEMORY)
         if new_b and (int(idx.min()) < 0 or int(idx.max()) >= old_b):
             raise _invalid("VmmCache: row index out of range (%d rows open)" % old_b)
+        if new_b == 0:
+            self.reset()
+            return
         saved = [(self._view(l, 0, old_b, 0, layer.cached).index_select(0, idx),
                   self._view(l, 1, old_b, 0, layer.cached).index_select(0, idx)) if layer.cached else None
                  for l, layer in enumerate(self.layers)]
-        if new_b < old_b:
-            self._sync()
-            for s in range(new_b, old_b):
-                self._kv.close(s)
-            self._batch = new_b
-        elif new_b > old_b:
-            self._open_rows(new_b, first=old_b)
-            try:
-                tokens, self._tokens = self._tokens, 0
-                self._grow(tokens, rows=range(old_b, new_b))
-            except Exception:
-                self._tokens = tokens
-                for s in range(old_b, new_b):
-                    self._kv.close(s)
-                self._batch = old_b
-                raise
+        self._batch = new_b  # rows share every token's pages: nothing to map or unmap
         for l, layer in enumerate(self.layers):
             if saved[l] is None:
                 continue

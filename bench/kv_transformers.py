@@ -6,9 +6,10 @@ A Llama built from a LlamaConfig (16 layers, hidden 512, 8 heads, 4 KV heads of 
 weights from a fixed seed, nothing downloaded) decodes greedily from left-padded prompts (batch
 row b is shorter by b/16 of the prompt, so padding is exercised). Each (prompt, new tokens, batch)
 point runs every cache in this one process, after a warm-up. Reported per run: wall time, tokens/s
-(batch x new tokens / time), peak memory (torch.cuda.max_memory_allocated, plus vmmalloc's peak
-mapped bytes for VmmCache, whose pages torch does not see), the KV cache's bytes, and whether the
-generated tokens equal DynamicCache's.
+(batch x new tokens / time), peak memory (the most torch.cuda.memory_allocated plus vmmalloc's mapped
+bytes at one time: for VmmCache taken at every page mapping, as torch's peak of the interval that ended
+plus what was mapped during it; also torch's peak plus vmmalloc's peak, an upper bound), the KV
+cache's bytes, and whether the generated tokens equal DynamicCache's.
 
 VmmCache's tokens must equal DynamicCache's (the same kernels read the same numbers): a mismatch
 fails the run (exit 1). StaticCache attends over its whole max_cache_len, so its kernels sum in
@@ -173,13 +174,36 @@ def main():
             mask[b, pl - n:] = 1
         return ids.to(dev), mask.to(dev)
 
+    class PeakCache(VmmCache):
+        """VmmCache that also measures the peak of the sum torch + mapped. Its mapped bytes change
+        only when pages are mapped: there the torch peak of the interval that ended is added to the
+        bytes mapped during it, and torch's peak counter starts again (exact, not sampled)."""
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.sum_peak = self.torch_peak = 0
+            self._mapped_now = 0
+
+        def _grow(self, new):
+            before = self._kv.pages_for(self._tokens)
+            super()._grow(new)
+            if self._kv.pages_for(new) != before:
+                self._interval_ends()
+
+        def _interval_ends(self):
+            t = torch.cuda.max_memory_allocated(dev)
+            self.torch_peak = max(self.torch_peak, t)
+            self.sum_peak = max(self.sum_peak, t + self._mapped_now)
+            torch.cuda.reset_peak_memory_stats(dev)
+            self._mapped_now = self._kv.stats()["mapped_bytes"] if self._kv is not None else 0
+
     def make_cache(kind, batch, length):
         if kind == "dynamic":
             return DynamicCache(config=model.config)
         if kind == "static":
             return StaticCache(config=model.config, max_cache_len=length)
-        return VmmCache(model.config, max_batch_size=batch, max_cache_len=length,
-                        map_ahead_tokens=a.map_ahead_tokens)
+        return PeakCache(model.config, max_batch_size=batch, max_cache_len=length,
+                         map_ahead_tokens=a.map_ahead_tokens)
 
     def run(kind, pl, nt, batch):
         ids, mask = prompts(pl, batch)
@@ -201,12 +225,18 @@ def main():
              "kv_logical_bytes": 2 * a.layers * batch * (pl + nt) * token_bytes}
         r["vmm_peak_mapped"] = 0
         if kind == "vmm":
+            cache._interval_ends()
+            r["peak_of_sum"] = cache.sum_peak
+            r["torch_peak_allocated"] = cache.torch_peak  # over every interval
             m = cache.memory()
             r["vmm_peak_mapped"] = m["peak_mapped_bytes"]
             r["vmm_driver_calls"] = m["driver_calls"]
             r["vmm_used_bytes"] = m["used_bytes"]
             cache.destroy()
-        r["peak_bytes"] = r["torch_peak_allocated"] + r["vmm_peak_mapped"]
+        if kind != "vmm":
+            r["peak_of_sum"] = r["torch_peak_allocated"]
+        r["peak_bytes"] = r["peak_of_sum"]
+        r["sum_of_peaks"] = r["torch_peak_allocated"] + r["vmm_peak_mapped"]  # an upper bound of peak_bytes
         r["kv_bytes"] = r["vmm_peak_mapped"] if kind == "vmm" else (
             2 * a.layers * batch * (pl + nt) * token_bytes if kind == "static" else r["kv_logical_bytes"])
         tokens = out[:, pl:].cpu()
@@ -299,23 +329,26 @@ def table(rows, meta, total, failures, notes):
     m = meta["model"]
     out = ["### transformers generate(): DynamicCache vs StaticCache vs VmmCache", "",
            "%s, torch %s, transformers %s. Llama %d layers, hidden %d, %d heads / %d KV heads of %d, %s, %s "
-           "attention, greedy, left-padded prompts. Peak = torch.cuda.max_memory_allocated (+ vmmalloc's peak "
-           "mapped bytes for VmmCache). KV = the cache's bytes (VmmCache: mapped; StaticCache: preallocated; "
+           "attention, greedy, left-padded prompts. Peak = the most torch.cuda.memory_allocated plus "
+           "vmmalloc's mapped bytes held at one time (for VmmCache measured at every page mapping: torch's "
+           "peak of each interval plus what was mapped during it; torch's peak alone for the others). KV = the cache's bytes (VmmCache: mapped; StaticCache: preallocated; "
            "DynamicCache: its tensors at the end)." % (meta["device"], meta["torch"], meta["transformers"],
                                                       m["layers"], m["hidden"], m["heads"], m["kv_heads"],
                                                       m["head_dim"], m["dtype"], m["attn"]), "",
-           "| prompt | new | batch | cache | time s | tokens/s | peak MiB | KV MiB | tokens == Dynamic |",
-           "|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+           "| prompt | new | batch | cache | time s | tokens/s | peak MiB | torch peak + mapped peak MiB | KV MiB | "
+           "tokens == Dynamic |",
+           "|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         head = "| %d | %d | %d | %s " % (r["prompt"], r["new"], r["batch"], r["cache"])
         if "skipped" in r:
-            out.append(head + "| skipped (time budget: ~%.0f s) | | | | |" % r["estimated_s"])
+            out.append(head + "| skipped (time budget: ~%.0f s) | | | | | |" % r["estimated_s"])
         elif "error" in r:
-            out.append(head + "| error: %s | | | | |" % r["error"].replace("|", "/")[:120])
+            out.append(head + "| error: %s | | | | | |" % r["error"].replace("|", "/")[:120])
         else:
             eq = {True: "yes", False: "**NO**", None: "-"}[r["tokens_equal"]]
-            out.append(head + "| %.2f | %.1f | %s | %s | %s |" % (r["seconds"], r["tokens_per_s"], mib(r["peak_bytes"]),
-                                                               mib(r["kv_bytes"]), eq))
+            out.append(head + "| %.2f | %.1f | %s | %s | %s | %s |" % (
+                r["seconds"], r["tokens_per_s"], mib(r["peak_bytes"]),
+                mib(r["sum_of_peaks"]) if r["cache"] == "vmm" else "-", mib(r["kv_bytes"]), eq))
     out.append("")
     out.append("Whole run: %.0f s. %s" % (total, "PASSED" if not failures else "FAILED"))
     for f in failures:

@@ -19,6 +19,9 @@
 //   v(s, l) = base() + (2 l + 1) * B + s * S
 // So k_base(l) is a [max_seqs][max_tokens][kv_heads][head_dim] tensor with row stride S: an
 // attention kernel indexes it directly, with no block table. Only mapped pages may be touched.
+// fused_kv: one buffer per layer (k(s, l) = base() + l * B + s * S, no v()); the caller lays K
+// and V out in its tokens (kv_heads counts both), so each sequence rounds up one buffer per layer
+// to a page instead of two. "2 * layers buffers" below is then "layers buffers".
 //
 // Contract:
 //  * Pages: sequence s "has m pages" = page p in [0, m) is mapped in each of the 2 * layers buffers
@@ -93,6 +96,9 @@ struct kv_cache_config {
   // driver call. They go back to the pool (unmapped) when a mapping finds the pool short, before
   // anything is created, and on trim(). Cost: closed slots' pages count as mapped until then.
   bool retain_closed = false;
+  // One buffer per layer holding K and V as the caller lays them out (see Layout): half the
+  // buffers, so half the page rounding per sequence. v() and v_base() are then refused.
+  bool fused_kv = false;
 };
 
 using seq_id = std::size_t;  // a slot: the sequence's row in k_base(l) / v_base(l)
@@ -105,7 +111,7 @@ struct kv_cache_stats {
   std::size_t pages_mapped = 0;       // now, over all sequences and buffers
   std::size_t pages_pooled = 0;       // now: created, unmapped, kept for reuse
   std::size_t mapped_bytes = 0;       // pages_mapped * page_size
-  std::size_t used_bytes = 0;         // sum of tokens * token_bytes * 2 * layers
+  std::size_t used_bytes = 0;         // sum of tokens * token_bytes * buffers (2 * layers, fused_kv: layers)
   std::size_t open_seqs = 0;
   std::uint64_t appends = 0;          // append() calls that succeeded
   std::uint64_t driver_calls = 0;     // every backend call, all paths

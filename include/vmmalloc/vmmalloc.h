@@ -217,11 +217,13 @@ typedef struct vmm_kv_config {
   size_t peer_count;
   size_t host_granularity;    /* host backend only; 0: 2 MiB */
   size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */
+  int fused_kv;               /* nonzero: one buffer per layer (k = base + l B + s S; no V: the
+                                 caller lays K and V out in it): half the page rounding */
 } vmm_kv_config;
 
 typedef struct vmm_kv_layout {
-  void* base;                 /* the reservation; k(s, l) = base + 2 l B + s S */
-  size_t reserved;            /* 2 x layers x buffer_stride */
+  void* base;                 /* the reservation; k(s, l) = base + 2 l B + s S (fused_kv: l B) */
+  size_t reserved;            /* 2 x layers x buffer_stride (fused_kv: layers x) */
   size_t token_bytes;         /* T: one token of one layer's K (or V) */
   size_t seq_stride;          /* S: round_up(max_tokens x T, page_size) */
   size_t buffer_stride;       /* B: max_seqs x S */

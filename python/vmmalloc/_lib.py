@@ -133,7 +133,7 @@ class KVConfig(ctypes.Structure):
                 ("max_tokens", c_size_t), ("page_size", c_size_t), ("map_ahead_pages", c_size_t),
                 ("map_ahead_tokens", c_size_t), ("pool_keep_pages", c_size_t), ("retain_closed", c_int),
                 ("peers", ctypes.POINTER(c_int)), ("peer_count", c_size_t), ("host_granularity", c_size_t),
-                ("host_physical_limit", c_size_t)]
+                ("host_physical_limit", c_size_t), ("fused_kv", c_int)]
 
 
 class KVLayout(ctypes.Structure):

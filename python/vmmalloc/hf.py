@@ -10,10 +10,10 @@
 
 How it maps onto transformers' Cache API (written against transformers 5.17's cache_utils.py,
 checked at run time; 4.56+ has the same layered API with older signatures, also accepted):
-  * One vmmalloc KVCache sequence holds the whole cache, packed token-major: token t of every
-    layer and row lies together, K as [token][layer][row][kv_heads][head_dim] in one buffer and V
-    likewise in the other. Pages are mapped only as tokens arrive, and the waste is under one
-    2 MiB page for K and one for V whatever the layers and rows (a per-layer, per-row layout wastes
+  * One vmmalloc KVCache sequence (fused_kv: one buffer) holds the whole cache, packed
+    token-major: token t of every layer, K|V and row lies together, as
+    [token][layer][K|V][row][kv_heads][head_dim]. Pages are mapped only as tokens arrive, and the
+    waste is under one 2 MiB page whatever the layers and rows (a per-layer, per-row layout wastes
     up to a page per layer, K|V and row: 64 MiB for 16 layers at batch 1). Every row is as long as
     the longest, as with DynamicCache's [batch, heads, tokens, dim] tensors. The cache is created
     at the first update (dtype, device, kv_heads and head_dim come from the key states); only
@@ -159,7 +159,7 @@ class VmmCache(Cache):
     max_batch_size: rows every token holds; None = the batch size of the first update (a later,
       larger batch re-lays the cache out between generations). Rows beyond the batch cost memory.
     max_cache_len: tokens per row (prompt + new tokens); None = config.max_position_embeddings.
-      Costs only virtual address space: 2 x round_up(len x layers x rows x token bytes, 2 MiB).
+      Costs only virtual address space: round_up(len x layers x 2 x rows x token bytes, 2 MiB).
     backend: "cuda" or "host"; None = from the key states' device (cpu -> host memory).
     retain_closed (default True): reset() keeps the pages mapped for the next generation.
     map_ahead_tokens / map_ahead_pages: a background thread maps pages ahead of the rows, so
@@ -224,11 +224,11 @@ class VmmCache(Cache):
         index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         rows = self._max_batch_size or int(B)
         L = len(self.layers)
-        # One sequence whose "heads" are every layer's rows' heads: K of token t is
-        # [layer][row][head][dim] at token t of the K buffer, V likewise in the V buffer.
-        self._kv = KVCache(layers=1, kv_heads=L * rows * int(H), head_dim=int(D), max_seqs=1,
+        # One sequence of one buffer whose "heads" are every layer's K and V rows' heads: token t
+        # is [layer][K|V][row][head][dim].
+        self._kv = KVCache(layers=1, kv_heads=L * 2 * rows * int(H), head_dim=int(D), max_seqs=1,
                            max_tokens=self._max_cache_len, dtype=k.dtype, backend=backend, device=index,
-                           **self._kv_opts)
+                           fused_kv=True, **self._kv_opts)
         self._max_batch_size = rows
         self._dtype, self._device = k.dtype, torch.device("cuda", index) if dev.type == "cuda" else dev
         self._H, self._D = int(H), int(D)
@@ -237,7 +237,7 @@ class VmmCache(Cache):
         hd = int(H) * int(D)
         self._hd = st[3]                                  # elements per token (all layers and rows)
         self._strides = (hd, int(D), self._hd, 1)         # [row, head, token, dim]: a [B, H, T, D] view
-        self._offsets = [(l * rows * hd, st[1] + l * rows * hd) for l in range(L)]
+        self._offsets = [(2 * l * rows * hd, (2 * l + 1) * rows * hd) for l in range(L)]
 
     def _check_states(self, layer, k, v):
         if k.dim() != 4 or v.shape != k.shape:

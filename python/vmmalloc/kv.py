@@ -40,11 +40,13 @@ class KVCache(object):
     map_ahead_pages / map_ahead_tokens: a background thread keeps pages mapped ahead of each open
     sequence, so append() makes no driver call while it keeps up (costs the memory mapped ahead).
     retain_closed: close() keeps a slot's pages mapped for the next open() of it.
-    pool_keep_pages: what trim() keeps. peers: devices granted read-write access too."""
+    pool_keep_pages: what trim() keeps. peers: devices granted read-write access too.
+    fused_kv: one buffer per layer (no V: the caller lays K and V out in each token, kv_heads
+    counting both), so a sequence rounds up half as many buffers to a page."""
 
     def __init__(self, layers, kv_heads, head_dim, max_seqs, max_tokens, elem_bytes=None, dtype=None,
                  backend="cuda", device=0, page_size=0, map_ahead_pages=0, map_ahead_tokens=0, pool_keep_pages=0,
-                 retain_closed=False, peers=(), host_granularity=0, host_physical_limit=0):
+                 retain_closed=False, peers=(), host_granularity=0, host_physical_limit=0, fused_kv=False):
         if dtype is not None:
             size = _itemsize(dtype)
             if elem_bytes is not None and int(elem_bytes) != size:
@@ -63,6 +65,9 @@ class KVCache(object):
         if elem_bytes is not None:
             c.elem_bytes = _size(elem_bytes, "elem_bytes")
         c.retain_closed = 1 if retain_closed else 0
+        c.fused_kv = 1 if fused_kv else 0
+        self.fused_kv = bool(fused_kv)
+        self._nkv = 1 if fused_kv else 2  # buffers per layer
         arr, n = int_array(peers)
         c.peers = ctypes.cast(arr, ctypes.POINTER(ctypes.c_int)) if arr is not None else None
         c.peer_count = n
@@ -232,16 +237,16 @@ class KVCache(object):
     def strides(self):
         """Element strides (layer, K|V, seq, token, head, dim) of base_tensor()."""
         e = self.elem_bytes
-        return (2 * self.buffer_stride // e, self.buffer_stride // e, self.seq_stride // e,
+        return (self._nkv * self.buffer_stride // e, self.buffer_stride // e, self.seq_stride // e,
                 self.kv_heads * self.head_dim, self.head_dim, 1)
 
     def base_tensor(self, dtype=None):
         """[layers, 2, max_seqs, max_tokens, kv_heads, head_dim] over the whole layout (index 0 of
-        the second dimension is K, 1 is V). Raw: touch only appended tokens."""
+        the second dimension is K, 1 is V; fused_kv: 1 long). Raw: touch only appended tokens."""
         import torch
 
         f = self.flat_tensor(dtype)
-        shape = (self.layers, 2, self.max_seqs, self.max_tokens, self.kv_heads, self.head_dim)
+        shape = (self.layers, self._nkv, self.max_seqs, self.max_tokens, self.kv_heads, self.head_dim)
         return torch.as_strided(f, shape, self.strides(), 0)
 
     def _region(self, seq, layer, kv, dtype, what):
@@ -250,9 +255,11 @@ class KVCache(object):
         n = self.length(seq, what)
         if not 0 <= int(layer) < self.layers:
             raise _invalid("vmmalloc.KVCache.%s: layer %d is out of range (layers %d)" % (what, layer, self.layers))
+        if kv and self.fused_kv:
+            raise _invalid("vmmalloc.KVCache.%s: fused_kv: the layer's one buffer holds K and V (use k)" % what)
         f = self.flat_tensor(self._dtype(dtype, what))
         st = self.strides()
-        off = (2 * int(layer) + kv) * st[1] + int(seq) * st[2]
+        off = int(layer) * st[0] + kv * st[1] + int(seq) * st[2]
         return torch.as_strided(f, (n, self.kv_heads, self.head_dim), st[3:], off)
 
     def k(self, seq, layer, dtype=None):

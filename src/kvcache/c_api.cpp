@@ -57,6 +57,7 @@ vmm_status vmm_kv_create(const vmm_kv_config* c, vmm_kv_cache** out) {
     k.map_ahead_tokens = c->map_ahead_tokens;
     k.pool_keep_pages = c->pool_keep_pages;
     k.retain_closed = c->retain_closed != 0;
+    k.fused_kv = c->fused_kv != 0;
     if (backend == VMM_BACKEND_HOST) {
       vmm::host_backend_options h;
       if (c->host_granularity) h.granularity = c->host_granularity;

@@ -310,7 +310,9 @@ struct kv_cache::impl {
       bad("out of range", std::string("::") + what + ": sequence " + std::to_string(s) + " / layer " +
                               std::to_string(layer) + " out of range (max_seqs " + std::to_string(slots.size()) +
                               ", layers " + std::to_string(cfg.layers) + ")");
-    return reinterpret_cast<void*>(va_of(2 * layer + kv, s, 0));
+    if (kv && cfg.fused_kv)
+      bad("no V buffer", std::string("::") + what + ": fused_kv: the layer's one buffer holds K and V (use k)");
+    return reinterpret_cast<void*>(va_of((cfg.fused_kv ? 1 : 2) * layer + kv, s, 0));
   }
 
   // Under the lock: opens slot s (checked).
@@ -405,7 +407,7 @@ kv_cache::kv_cache(std::unique_ptr<backend_iface> b, const kv_cache_config& c) {
   bool over = __builtin_mul_overflow(c.kv_heads, c.head_dim, &t1) || __builtin_mul_overflow(t1, c.elem_bytes, &t2) ||
               __builtin_mul_overflow(c.max_tokens, t2, &seq) || seq > SIZE_MAX - m.P ||
               __builtin_mul_overflow(round_up(seq, m.P), c.max_seqs, &m.B) ||
-              __builtin_mul_overflow(c.layers, std::size_t{2}, &bufs) ||
+              __builtin_mul_overflow(c.layers, c.fused_kv ? std::size_t{1} : std::size_t{2}, &bufs) ||
               __builtin_mul_overflow(bufs, m.B, &m.reserved);
   if (over)
     throw out_of_memory(fail(errc::out_of_memory, "layout overflows"),

@@ -165,6 +165,20 @@ static void kv_cases(void) {
             vmm_kv_get_seq(kv, s, &si) == VMM_SUCCESS && si.length == 8192,
         "rolled back: %zu handles, length %zu", st.live_handles, si.length);
   vmm_kv_destroy(kv);
+
+  /* fused_kv: one buffer per layer (K and V laid out by the caller); v refused. */
+  c.host_physical_limit = 0;
+  c.fused_kv = 1;
+  CHECK(vmm_kv_create(&c, &kv) == VMM_SUCCESS && vmm_kv_get_layout(kv, &l) == VMM_SUCCESS &&
+            l.reserved == 3 * l.buffer_stride,
+        "fused_kv: reserved %zu = 3 buffers of %zu", l.reserved, l.buffer_stride);
+  CHECK(vmm_kv_open(kv, &s) == VMM_SUCCESS && vmm_kv_append(kv, s, 8193, NULL) == VMM_SUCCESS &&
+            vmm_kv_get_stats(kv, &st) == VMM_SUCCESS && st.pages_mapped == 2 * 3,
+        "fused_kv: 2 pages in each of 3 buffers (%zu)", st.pages_mapped);
+  CHECK(vmm_kv_k(kv, s, 1, &k) == VMM_SUCCESS && (char*)k == (char*)l.base + l.buffer_stride + s * l.seq_stride,
+        "fused_kv: k(s, 1) = base + B + s S");
+  CHECK(vmm_kv_v(kv, s, 0, &v) == VMM_ERROR_INVALID_VALUE && has("fused_kv"), "%s", vmm_last_error());
+  vmm_kv_destroy(kv);
 }
 
 int main(void) {

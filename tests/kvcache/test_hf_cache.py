@@ -143,10 +143,10 @@ def main():
     expect(not moved and vmm.get_seq_length() == 130, "step by step: layer 3's keys never move (130 tokens)")
     mem = vmm.memory()
     T = vmm.kv.token_bytes
-    # Packed: a token holds every layer's rows (4 layers x 2 rows x 2 heads x 32 x bf16 = 1 KiB).
-    expect(T == 4 * 2 * 2 * 32 * 2 and mem["used_bytes"] == 130 * T * 2 and
-           mem["mapped_bytes"] == 2 * vmm.kv.page_size and mem["rows"] == 2,
-           "memory: used %d, mapped %d (one page for K, one for V: 4 layers x 2 rows packed)" % (
+    # Packed: a token holds every layer's K and V rows (4 layers x 2 x 2 rows x 2 heads x 32 x bf16).
+    expect(T == 4 * 2 * 2 * 2 * 32 * 2 and mem["used_bytes"] == 130 * T and
+           mem["mapped_bytes"] == vmm.kv.page_size and mem["rows"] == 2,
+           "memory: used %d, mapped %d (one page: 4 layers x K|V x 2 rows packed)" % (
                mem["used_bytes"], mem["mapped_bytes"]))
     stats0 = vmm.kv.stats()
     vmm.reset()
@@ -155,7 +155,7 @@ def main():
     got = generate(model, ids, mask, vmm, 20)
     stats1 = vmm.kv.stats()
     expect(torch.equal(want, got), "after reset: a new generation matches DynamicCache")
-    expect(stats1["pages_created"] == stats0["pages_created"] and stats1["pages_retained_reused"] >= 2,
+    expect(stats1["pages_created"] == stats0["pages_created"] and stats1["pages_retained_reused"] >= 1,
            "after reset: the retained pages served it (created %d -> %d, reused %d)" % (
                stats0["pages_created"], stats1["pages_created"], stats1["pages_retained_reused"]))
     released = vmm.release()
@@ -199,7 +199,7 @@ def main():
     want3 = generate(model, ids3, mask3, DynamicCache(config=model.config), 8)
     got3 = generate(model, ids3, mask3, auto, 8)
     expect(torch.equal(want1, got1) and torch.equal(want3, got3) and auto.max_batch_size == 3 and
-           mapped1 == 2 * auto.kv.page_size,
+           mapped1 == auto.kv.page_size,
            "no max_batch_size: batch 1 (%d bytes mapped) then batch 3 re-laid out, tokens equal" % mapped1)
     auto.destroy()
 

@@ -59,9 +59,10 @@ struct faulty {
   vmm::host_backend& host() { return *vmm::test::as_fault(kv.backend())->host(); }
 };
 
-std::size_t nbuf(const kv_cache& kv) { return 2 * kv.config().layers; }
+std::size_t nbuf(const kv_cache& kv) { return (kv.config().fused_kv ? 1 : 2) * kv.config().layers; }
 
 unsigned char* buf_ptr(const kv_cache& kv, vmm::seq_id s, std::size_t buf) {
+  if (kv.config().fused_kv) return static_cast<unsigned char*>(kv.k(s, buf));
   return static_cast<unsigned char*>(buf % 2 ? kv.v(s, buf / 2) : kv.k(s, buf / 2));
 }
 
@@ -138,6 +139,40 @@ TEST_CASE("layout: strides and pointers as documented; construction maps nothing
   CHECK(f.st->live_handles() == 0);
   CHECK(f.st->live_mappings() == 0);
   CHECK(kv.stats().driver_calls == 2);  // granularity + reserve
+}
+
+TEST_CASE("fused_kv: one buffer per layer, half the pages; v() refused; contents and reuse as usual") {
+  auto c = small_cfg(4, 1000);
+  c.fused_kv = true;
+  c.kv_heads = 8;  // the caller's K and V heads together: T = 1 KiB, 64 tokens a page
+  faulty f(c);
+  kv_cache& kv = f.kv;
+  CHECK(kv.token_bytes() == 8 * 64 * 2);
+  CHECK(kv.seq_stride() == 16 * PAGE);  // round_up(1000 KiB, 64 KiB)
+  CHECK(kv.reserved() == 2 * kv.buffer_stride());  // layers buffers, not 2 x layers
+  const auto base = reinterpret_cast<std::uintptr_t>(kv.base());
+  for (std::size_t s = 0; s < 4; ++s)
+    for (std::size_t l = 0; l < 2; ++l)
+      CHECK(reinterpret_cast<std::uintptr_t>(kv.k(s, l)) == base + l * kv.buffer_stride() + s * kv.seq_stride());
+  CHECK_THROWS_WITH_AS(kv.v(0, 0), doctest::Contains("fused_kv"), vmm::error);
+  CHECK_THROWS_AS(kv.v_base(1), vmm::error);
+  auto a = kv.open(), b = kv.open();
+  kv.append(a, 100);  // 2 pages in each of the 2 buffers
+  kv.append(b, 64);   // 1 page each
+  write_tokens(kv, a, 1, 0, 100);
+  write_tokens(kv, b, 2, 0, 64);
+  auto s = kv.stats();
+  CHECK(s.pages_mapped == (2 + 1) * 2);
+  CHECK(s.used_bytes == (100 + 64) * kv.token_bytes() * 2);
+  kv.close(b);
+  kv.append(a, 28);  // 128 tokens: 2 pages still
+  kv.append(a, 1);   // 3 pages: one from b's pool per buffer
+  CHECK(check_tokens(kv, a, 1, 100) == 0);
+  s = kv.stats();
+  CHECK(s.pages_mapped == 3 * 2);
+  CHECK(s.pages_reused == 2);
+  CHECK(s.pages_created == (2 + 1) * 2);
+  check_live(f);
 }
 
 TEST_CASE("configuration errors are clear and hold nothing") {

@@ -271,6 +271,31 @@ class KV(unittest.TestCase):
             self.assertEqual(kv.pages_for(4096), 1)
             self.assertEqual(kv.pages_for(4097), 2)
 
+    def test_fused_kv_one_buffer_per_layer(self):
+        # K and V of a token side by side in one buffer per layer: half the buffers, half the pages.
+        with self.make(fused_kv=True, kv_heads=8) as kv:
+            L = kv.layout
+            self.assertEqual(kv.token_bytes, 1024)
+            self.assertEqual(kv.reserved, 3 * kv.buffer_stride)
+            self.assertEqual(kv.strides()[0], kv.buffer_stride // 2)
+            for l in range(3):
+                self.assertEqual(kv.k_ptr(1, l), L["base"] + l * kv.buffer_stride + kv.seq_stride)
+            with self.assertRaisesRegex(InvalidValueError, "fused_kv"):
+                kv.v_ptr(0, 0)
+            s = kv.open()
+            kv.append(s, 2049)  # 2 MiB + 1 KiB: 2 pages in each of the 3 buffers
+            st = kv.stats()
+            self.assertEqual(st["pages_mapped"], 2 * 3)
+            self.assertEqual(st["used_bytes"], 2049 * 1024 * 3)
+            with self.assertRaisesRegex(InvalidValueError, "fused_kv"):
+                kv.memoryview(s, 0, "v")
+            mv = kv.memoryview(s, 2, "k", "H")
+            self.assertEqual(mv.shape, (2049, 8, 64))
+            mv[2048, 7, 63] = 0xBEEF
+            self.assertEqual(kv.memoryview(s, 2, "k", "H")[2048, 7, 63], 0xBEEF)
+            del mv
+            kv.close(s)
+
     def test_growth_keeps_addresses_and_contents(self):
         with self.make() as kv:
             s = kv.open()

@@ -232,6 +232,7 @@ def main():
             r["vmm_peak_mapped"] = m["peak_mapped_bytes"]
             r["vmm_driver_calls"] = m["driver_calls"]
             r["vmm_used_bytes"] = m["used_bytes"]
+            r["vmm_layer_groups"] = cache.layer_groups
             cache.destroy()
         if kind != "vmm":
             r["peak_of_sum"] = r["torch_peak_allocated"]

@@ -10,11 +10,13 @@
 
 How it maps onto transformers' Cache API (written against transformers 5.17's cache_utils.py,
 checked at run time; 4.56+ has the same layered API with older signatures, also accepted):
-  * One vmmalloc KVCache sequence (fused_kv: one buffer) holds the whole cache, packed
-    token-major: token t of every layer, K|V and row lies together, as
+  * One vmmalloc KVCache sequence holds the whole cache, packed token-major: a group of layers
+    is one buffer (fused_kv) in which token t of its layers, K|V and rows lies together, as
     [token][layer][K|V][row][kv_heads][head_dim]. Pages are mapped only as tokens arrive, and the
-    waste is under one 2 MiB page whatever the layers and rows (a per-layer, per-row layout wastes
-    up to a page per layer, K|V and row: 64 MiB for 16 layers at batch 1). Every row is as long as
+    waste is under one 2 MiB page per group (a per-layer, per-row layout wastes up to a page per
+    layer, K|V and row: 64 MiB for 16 layers at batch 1). Groups keep a group's token within
+    64 KiB, the stride at which attention reads a layer: one group for 16 layers of 4 KV heads of
+    64 in bf16 up to batch 4, two at batch 8 (a 128 KiB stride decoded 30 % slower at 16 k tokens). Every row is as long as
     the longest, as with DynamicCache's [batch, heads, tokens, dim] tensors. The cache is created
     at the first update (dtype, device, kv_heads and head_dim come from the key states); only
     virtual address space is reserved up front (~3 us, whatever the size).
@@ -165,11 +167,14 @@ class VmmCache(Cache):
     map_ahead_tokens / map_ahead_pages: a background thread maps pages ahead of the rows, so
       decoding makes no driver call (costs the memory mapped ahead).
     page_size: 0 = the granularity (2 MiB). pool_keep_pages: what release() keeps pooled (default 0).
+    layer_groups: buffers the layers are packed into (a divisor of the layers); None = the fewest
+      whose token stays within 64 KiB (attention reads a layer at that stride). Each costs up to a
+      page of waste.
     """
 
     def __init__(self, config=None, max_batch_size=None, max_cache_len=None, num_layers=None, backend=None,
                  retain_closed=True, map_ahead_tokens=0, map_ahead_pages=0, page_size=0, pool_keep_pages=0,
-                 host_physical_limit=0):
+                 host_physical_limit=0, layer_groups=None):
         dec = None
         if config is not None:
             dec = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -191,6 +196,9 @@ class VmmCache(Cache):
         self._kv_opts = dict(retain_closed=retain_closed, map_ahead_tokens=map_ahead_tokens,
                              map_ahead_pages=map_ahead_pages, page_size=page_size, pool_keep_pages=pool_keep_pages,
                              host_physical_limit=host_physical_limit)
+        if layer_groups is not None and (int(layer_groups) <= 0 or int(num_layers) % int(layer_groups)):
+            raise _invalid("VmmCache: layer_groups must divide the %d layers (%r)" % (int(num_layers), layer_groups))
+        self._groups = None if layer_groups is None else int(layer_groups)
         self._kv = None        # the vmmalloc KVCache, made at the first update
         self._flat = None      # its reservation as a 1-D tensor of the cache's dtype
         self._batch = 0        # rows open (slots 0 .. batch-1)
@@ -224,20 +232,24 @@ class VmmCache(Cache):
         index = (dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 0
         rows = self._max_batch_size or int(B)
         L = len(self.layers)
-        # One sequence of one buffer whose "heads" are every layer's K and V rows' heads: token t
-        # is [layer][K|V][row][head][dim].
-        self._kv = KVCache(layers=1, kv_heads=L * 2 * rows * int(H), head_dim=int(D), max_seqs=1,
+        G = self._groups or _auto_groups(L, 2 * rows * int(H) * int(D) * k.element_size())
+        per = L // G
+        # One sequence; each group of `per` layers is one buffer whose "heads" are its layers' K
+        # and V rows' heads: token t of a group is [layer][K|V][row][head][dim].
+        self._kv = KVCache(layers=G, kv_heads=per * 2 * rows * int(H), head_dim=int(D), max_seqs=1,
                            max_tokens=self._max_cache_len, dtype=k.dtype, backend=backend, device=index,
                            fused_kv=True, **self._kv_opts)
+        self.layer_groups = G
         self._max_batch_size = rows
         self._dtype, self._device = k.dtype, torch.device("cuda", index) if dev.type == "cuda" else dev
         self._H, self._D = int(H), int(D)
         self._flat = self._kv.flat_tensor(k.dtype)
         st = self._kv.strides()
         hd = int(H) * int(D)
-        self._hd = st[3]                                  # elements per token (all layers and rows)
+        self._hd = st[3]                                  # elements per token of a group
         self._strides = (hd, int(D), self._hd, 1)         # [row, head, token, dim]: a [B, H, T, D] view
-        self._offsets = [(2 * l * rows * hd, (2 * l + 1) * rows * hd) for l in range(L)]
+        self._offsets = [((l // per) * st[0] + 2 * (l % per) * rows * hd,
+                          (l // per) * st[0] + (2 * (l % per) + 1) * rows * hd) for l in range(L)]
 
     def _check_states(self, layer, k, v):
         if k.dim() != 4 or v.shape != k.shape:
@@ -479,6 +491,20 @@ class VmmCache(Cache):
 
     def __reduce__(self):
         raise TypeError("VmmCache cannot be pickled: its memory is one vmmalloc reservation")
+
+
+# Attention reads one layer's tokens at the group's token stride. Measured on an H200 at 16,384+
+# tokens, batch 8 (bench/RESULTS.md, runs 24 and 26): a 64 KiB stride decoded as fast as
+# DynamicCache, 128 KiB 30 % slower. Groups cost up to one 2 MiB page each of mapped waste.
+_MAX_GROUP_TOKEN_BYTES = 64 << 10
+
+
+def _auto_groups(layers, layer_token_bytes):
+    """The fewest layer groups (a divisor of layers) whose token is at most 64 KiB."""
+    for g in range(1, layers + 1):
+        if layers % g == 0 and (layers // g) * layer_token_bytes <= _MAX_GROUP_TOKEN_BYTES:
+            return g
+    return layers
 
 
 def _at(layer):

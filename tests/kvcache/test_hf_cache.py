@@ -86,6 +86,14 @@ def main():
                                  do_sample=False, **kw)  # no EOS: always `new` tokens
         return out[:, ids.shape[1]:]
 
+    def same_cache_views(vmm):
+        """Every layer's keys and values are distinct views of the cache's one reservation."""
+        ptrs = set()
+        for layer in vmm.layers:
+            ptrs.add(layer.keys.data_ptr())
+            ptrs.add(layer.values.data_ptr())
+        return len(ptrs) == 2 * len(vmm.layers)
+
     def same_cache(dyn, vmm, rows=None):
         for l in range(len(vmm.layers)):
             dk, dv = dyn.layers[l].keys, dyn.layers[l].values
@@ -202,6 +210,13 @@ def main():
            mapped1 == auto.kv.page_size,
            "no max_batch_size: batch 1 (%d bytes mapped) then batch 3 re-laid out, tokens equal" % mapped1)
     auto.destroy()
+    # Two layer groups: two buffers (a page each), the same tokens.
+    grouped = VmmCache(model.config, max_cache_len=256, layer_groups=2)
+    got3 = generate(model, ids3, mask3, grouped, 8)
+    expect(torch.equal(want3, got3) and grouped.layer_groups == 2 and
+           grouped.memory()["mapped_bytes"] == 2 * grouped.kv.page_size and same_cache_views(grouped),
+           "layer_groups=2: tokens equal, one page per group")
+    grouped.destroy()
 
     # ---- 4. bad input: clear errors, state intact -------------------------------------------------
     small = VmmCache(model.config, max_batch_size=2, max_cache_len=64)

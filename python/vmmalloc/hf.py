@@ -493,9 +493,9 @@ class VmmCache(Cache):
         raise TypeError("VmmCache cannot be pickled: its memory is one vmmalloc reservation")
 
 
-# Attention reads one layer's tokens at the group's token stride. Measured on an H200 at 16,384+
-# tokens, batch 8 (bench/RESULTS.md, runs 24 and 26): a 64 KiB stride decoded as fast as
-# DynamicCache, 128 KiB 30 % slower. Groups cost up to one 2 MiB page each of mapped waste.
+# Attention reads one layer's tokens at the group's token stride. Measured at 16,384+ tokens,
+# batch 8 (bench/RESULTS.md, runs 24, 26, 27): a 64 KiB stride decoded as fast as DynamicCache or
+# faster, 128 KiB 30 % slower. Groups cost up to one 2 MiB page each of mapped waste.
 _MAX_GROUP_TOKEN_BYTES = 64 << 10
 
 

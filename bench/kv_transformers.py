@@ -78,6 +78,9 @@ def parse():
     p.add_argument("--batches", type=ints, help="batch sizes, e.g. 1,8")
     p.add_argument("--grid", choices=("all",), help="all: the cross product of the lists")
     p.add_argument("--caches", help="comma list of dynamic,vmm,static (default all; --long: dynamic,vmm)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="run only the caches listed (DynamicCache is otherwise added as the reference): "
+                        "tokens are then not compared; for a point too long for one call")
     p.add_argument("--budget", type=float, help="seconds for the whole run (points that would not fit "
                                                 "are skipped); default 440 for --full, none otherwise")
     p.add_argument("--layers", type=int, default=16)
@@ -98,7 +101,7 @@ def parse():
     bad = [c for c in caches if c not in CACHES]
     if bad or not caches:
         p.error("--caches: unknown %s (choose from %s)" % (bad, ",".join(CACHES)))
-    if "dynamic" not in caches:
+    if "dynamic" not in caches and not a.no_reference:
         caches.insert(0, "dynamic")  # the reference every other cache is compared with
     a.caches = [c for c in CACHES if c in caches]
     if a.quick:

@@ -199,6 +199,7 @@ class VmmCache(Cache):
         if layer_groups is not None and (int(layer_groups) <= 0 or int(num_layers) % int(layer_groups)):
             raise _invalid("VmmCache: layer_groups must divide the %d layers (%r)" % (int(num_layers), layer_groups))
         self._groups = None if layer_groups is None else int(layer_groups)
+        self.layer_groups = self._groups  # the buffers used, once the first update laid the cache out
         self._kv = None        # the vmmalloc KVCache, made at the first update
         self._flat = None      # its reservation as a 1-D tensor of the cache's dtype
         self._batch = 0        # rows open (slots 0 .. batch-1)

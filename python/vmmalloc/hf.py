@@ -16,10 +16,11 @@ checked at run time; 4.56+ has the same layered API with older signatures, also 
     waste is under one 2 MiB page per group (a per-layer, per-row layout wastes up to a page per
     layer, K|V and row: 64 MiB for 16 layers at batch 1). Groups keep a group's token within
     64 KiB, the stride at which attention reads a layer: one group for 16 layers of 4 KV heads of
-    64 in bf16 up to batch 4, two at batch 8 (a 128 KiB stride decoded 30 % slower at 16 k tokens). Every row is as long as
-    the longest, as with DynamicCache's [batch, heads, tokens, dim] tensors. The cache is created
-    at the first update (dtype, device, kv_heads and head_dim come from the key states); only
-    virtual address space is reserved up front (~3 us, whatever the size).
+    64 in bf16 up to batch 4, two at batch 8 (a 128 KiB stride decoded 30 % slower at 16 k
+    tokens). Every row is as long as the longest, as with DynamicCache's [batch, heads, tokens,
+    dim] tensors. The cache is created at the first update (dtype, device, kv_heads and head_dim
+    come from the key states); only virtual address space is reserved up front (~3 us, whatever
+    the size).
   * Rows: max_batch_size of them, every token holds all (pass it only when a later batch grows:
     beam search expanding after the first update; None = the first update's batch, re-laid out
     when a later generation brings a larger batch). Left padding needs nothing special: pad
@@ -202,7 +203,7 @@ class VmmCache(Cache):
         self.layer_groups = self._groups  # the buffers used, once the first update laid the cache out
         self._kv = None        # the vmmalloc KVCache, made at the first update
         self._flat = None      # its reservation as a 1-D tensor of the cache's dtype
-        self._batch = 0        # rows open (slots 0 .. batch-1)
+        self._batch = 0        # rows in use (0: no generation open)
         self._tokens = 0       # tokens appended to every open row
         self._peak_mapped = 0  # bytes, over the cache's life
         layers = [VmmLayer(self, i) for i in range(int(num_layers))]

@@ -335,8 +335,9 @@ def table(rows, meta, total, failures, notes):
            "%s, torch %s, transformers %s. Llama %d layers, hidden %d, %d heads / %d KV heads of %d, %s, %s "
            "attention, greedy, left-padded prompts. Peak = the most torch.cuda.memory_allocated plus "
            "vmmalloc's mapped bytes held at one time (for VmmCache measured at every page mapping: torch's "
-           "peak of each interval plus what was mapped during it; torch's peak alone for the others). KV = the cache's bytes (VmmCache: mapped; StaticCache: preallocated; "
-           "DynamicCache: its tensors at the end)." % (meta["device"], meta["torch"], meta["transformers"],
+           "peak of each interval plus what was mapped during it; torch's peak alone for the others). "
+           "KV = the cache's bytes (VmmCache: mapped; StaticCache: preallocated; DynamicCache: its tensors at the "
+           "end)." % (meta["device"], meta["torch"], meta["transformers"],
                                                       m["layers"], m["hidden"], m["heads"], m["kv_heads"],
                                                       m["head_dim"], m["dtype"], m["attn"]), "",
            "| prompt | new | batch | cache | time s | tokens/s | peak MiB | torch peak + mapped peak MiB | KV MiB | "

@@ -313,6 +313,10 @@ struct heap::impl {
   // free chunks have become idle handles (the growth maps those it can use, the caller releases
   // the rest once it has grown).
   bool relieve_pressure(std::size_t want, stream_t x);
+  // Before a growth maps `size` (spans and huge chunks alike): relieve_pressure, or else, with
+  // stitch_on_grow, wholly free chunks become idle handles the growth maps. pressed: the caller
+  // releases the idle handles its growth did not map.
+  status prepare_growth(std::size_t size, stream_t x, bool& pressed);
   void destroy_empty_slabs();
 
   void note_alloc(std::size_t n, std::size_t sz);

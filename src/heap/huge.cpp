@@ -64,11 +64,8 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
     auto sp = allocate_large(n, align, x, false);
     if (!sp.ok() || sp.value) return sp;
   }
-  const bool pressed = relieve_pressure(size, x);
-  if (a.opts().stitch_on_grow && !pressed) {
-    status e = evict_free_chunks(size, true, false, &x);
-    if (!e.ok()) return {nullptr, e};
-  }
+  bool pressed = false;
+  if (status e = prepare_growth(size, x, pressed); !e.ok()) return {nullptr, e};
   std::size_t got = size;  // more when a retired handle larger than the request is mapped whole
   auto r = a.map_range(size, 0, kOwnerHuge, &got, hid);
   if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {

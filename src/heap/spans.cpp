@@ -105,11 +105,8 @@ status heap::impl::grow(std::size_t need, stream_t x) {
   ++st.grows;
   if (a.opts().idle_decay_ms > 0) last_growth = steady_ns();
   std::size_t size = round_up(need, G);
-  const bool pressed = relieve_pressure(size, x);
-  if (a.opts().stitch_on_grow && !pressed) {
-    status e = evict_free_chunks(size, true, false, &x);  // reuse wholly free chunks' physical memory
-    if (!e.ok()) return e;
-  }
+  bool pressed = false;
+  if (status e = prepare_growth(size, x, pressed); !e.ok()) return e;
   // Prefer extending a span whose free tail this stream may use: less new memory, one block.
   std::uintptr_t at = 0;
   std::size_t best_tail = 0, ext = size;
@@ -149,6 +146,12 @@ status heap::impl::grow(std::size_t need, stream_t x) {
   next_growth = pressed ? a.opts().min_chunk
                         : std::min(next_growth * 2, std::max(a.opts().max_growth, G));
   return {};
+}
+
+status heap::impl::prepare_growth(std::size_t size, stream_t x, bool& pressed) {
+  pressed = relieve_pressure(size, x);
+  if (!a.opts().stitch_on_grow || pressed) return {};
+  return evict_free_chunks(size, true, false, &x);  // reuse wholly free chunks' physical memory
 }
 
 status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool wait, const stream_t* for_stream) {

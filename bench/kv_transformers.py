@@ -187,11 +187,9 @@ def main():
             self.sum_peak = self.torch_peak = 0
             self._mapped_now = 0
 
-        def _grow(self, new):
-            before = self._kv.pages_for(self._tokens)
-            super()._grow(new)
-            if self._kv.pages_for(new) != before:
-                self._interval_ends()
+        def _note_peak(self):  # VmmCache calls it whenever its mapped bytes may have changed
+            super()._note_peak()
+            self._interval_ends()
 
         def _interval_ends(self):
             t = torch.cuda.max_memory_allocated(dev)

@@ -3,6 +3,7 @@
 #include "arena/arena.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 
 #include "vm/granularity.hpp"
@@ -151,8 +152,11 @@ bool arena::aliased(mem_handle h) const {
 result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
                                         std::size_t* mapped, std::uint16_t heap) {
   if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
+  assert(!pending_);  // a deferred growth is taken before the next mapping
   (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
   (void)poll_retiring(false);  // retired ranges whose stream caught up give their VA back
+  // An exportable policy maps under the lock: its IPC kind may fall back on a create.
+  const bool defer = defer_ && !whole_chunks_;
   auto hole_for = [&](std::size_t n) -> std::uintptr_t {
     if (at) return hole_at(at, n) ? at : 0;
     for (auto& [hs, hn] : holes_)
@@ -165,11 +169,12 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   }
 
   // Pieces: idle handles first (largest that fit), then one created handle for the rest.
-  struct piece { std::size_t size; mem_handle h; bool created; };
+  using piece = growth::piece;
   std::vector<piece> pieces;
   std::size_t taken = 0;  // physical bytes in `pieces`: still ours while they wait to be mapped
   auto give_back = [&](std::size_t from) {
     for (std::size_t i = from; i < pieces.size(); ++i) {
+      if (!pieces[i].h) continue;  // a deferred create: nothing made yet
       if (pieces[i].created) release_or_park(pieces[i].h, pieces[i].size);
       else idle_put(pieces[i].h, pieces[i].size);
     }
@@ -188,7 +193,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       it = idle_.end();
     }
     if (it != idle_.end()) {
-      pieces.push_back({it->first, it->second, false});
+      pieces.push_back({it->first, it->second, false, false});
       idle_bytes_ -= it->first;
       taken += it->first;
       idle_.erase(it);
@@ -203,24 +208,48 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
         return {0, r};
       }
     }
-    // The limit is checked before the create: everything held, the pieces taken for this range
-    // included, plus what the create would add.
-    const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes() + retired_held_ + taken;
+    // The limit is checked before the create: everything held (growths in flight on other
+    // threads included), the pieces taken for this range, plus what the create would add.
+    const std::size_t physical = physical_now() + (inflight_bytes_ - inflight_lent_) + taken;
     if (want > opt_.memory_limit || physical > opt_.memory_limit - want) {
       give_back(0);
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
+    }
+    if (defer) {
+      pieces.push_back({want, 0, true, false});  // created by run_growth, outside the lock
+      taken += want;
+      total += want;
+      continue;
     }
     auto c = policy::create_chunk(drv_, policies_, opt_, pol_, want);
     if (!c.ok()) {
       give_back(0);
       return {0, c.st};
     }
-    pieces.push_back({want, c.value, true});
+    pieces.push_back({want, c.value, true, false});
     total += want;
   }
   const std::uintptr_t va = hole_for(total);
   assert(va);  // checked for size, and for every larger total before a piece made it so
   size = total;
+
+  if (defer) {
+    // The hole and the handles are the growth's from here: nobody else maps there or takes them.
+    take_hole(va, size);
+    inflight_.emplace(va, size);
+    inflight_bytes_ += size;
+    for (const auto& p : pieces)
+      if (!p.created) inflight_lent_ += p.size;
+    growth& g = pending_.emplace();
+    g.va = va;
+    g.size = size;
+    g.owner = owner;
+    g.heap = heap;
+    g.pieces = std::move(pieces);
+    g.access = pol_.access;
+    g.access_gen = pol_.access_changes;
+    return {0, {errc::other, 0, "growth deferred to run outside the lock", "map"}};
+  }
   if (mapped) *mapped = total;
 
   const std::size_t strays_before = strays_.size();
@@ -254,23 +283,137 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   }
 
   take_hole(va, size);
+  for (auto& p : pieces)
+    for (auto& pol : policies_) p.marked = pol->mapped(drv_, pol_, p.h) || p.marked;
+  install(va, pieces, owner, heap);
+  return {va, {}};
+}
+
+void arena::install(std::uintptr_t va, const std::vector<growth::piece>& pieces, std::uint32_t owner,
+                    std::uint16_t heap) {
   std::size_t off = 0;
-  for (auto& p : pieces) {
+  for (const auto& p : pieces) {
     auto id = new_chunk_slot();
-    bool marked = false;
-    for (auto& pol : policies_) marked = pol->mapped(drv_, pol_, p.h) || marked;
-    chunks_[id] = chunk{va + off, p.size, p.h, 0, no_chunk, no_chunk, owner, heap, marked};
+    chunks_[id] = chunk{va + off, p.size, p.h, 0, no_chunk, no_chunk, owner, heap, p.marked};
     for (std::size_t pg = page_of(va + off), e = pg + p.size / gran_; pg < e; ++pg) page_map_[pg] = id;
     mapped_ += p.size;
     count_mapped(chunks_[id], true);
-    if (marked) compressed_bytes_ += p.size;
+    if (p.marked) compressed_bytes_ += p.size;
     if (!p.created) ++stitched_;
     ++chunk_count_;
     lru_push(id);  // a new chunk holds no block yet; the heap's add_used takes it off the list
     off += p.size;
   }
   note_peaks();
-  return {va, {}};
+}
+
+arena::growth arena::take_growth() {
+  assert(pending_);
+  growth g = std::move(*pending_);
+  pending_.reset();
+  return g;
+}
+
+void arena::run_growth(growth& g) {
+  auto release = [&](const growth::piece& p) {
+    if (!vm::driver::twice([&] { return drv_.release(p.h); }).ok()) g.strays.add_handle(p.h, p.size);
+  };
+  for (auto& p : g.pieces) {
+    if (!p.created) continue;
+    // The policies' create hooks change no state but an atomic counter here: the IPC policy,
+    // whose kind may fall back on a refused create, never defers (see map_range).
+    auto c = policy::create_chunk(drv_, policies_, opt_, pol_, p.size);
+    if (!c.ok()) {
+      g.st = c.st;
+      break;
+    }
+    p.h = c.value;
+  }
+  if (!g.st.ok()) {  // nothing mapped yet: created handles go, idle ones go back to the cache
+    for (auto& p : g.pieces) {
+      if (p.created && p.h) release(p);
+      else if (!p.created) g.returned.push_back({p.h, p.size});
+      p.h = 0;
+    }
+    return;
+  }
+  vm::mapping_txn txn(drv_, g.strays);
+  std::size_t off = 0, i = 0;
+  status st{};
+  for (; i < g.pieces.size(); ++i) {
+    st = txn.map(g.va + off, g.pieces[i].size, g.pieces[i].h, g.pieces[i].created);
+    if (!st.ok()) break;
+    off += g.pieces[i].size;
+  }
+  if (st.ok()) st = txn.set_access(g.va, g.size, g.access);
+  if (st.ok()) {
+    txn.commit();
+    // The policy state read here (the props) is fixed once the arena is open.
+    for (auto& p : g.pieces)
+      for (auto& pol : policies_) p.marked = pol->mapped(drv_, pol_, p.h) || p.marked;
+  } else {
+    for (std::size_t k = i + 1; k < g.pieces.size(); ++k) {  // never mapped
+      if (g.pieces[k].created) release(g.pieces[k]);
+      else g.returned.push_back({g.pieces[k].h, g.pieces[k].size});
+    }
+    txn.rollback();
+    for (auto& l : txn.returned()) g.returned.push_back(l);
+  }
+  g.st = st;
+}
+
+status arena::finish_growth(growth& g) {
+  inflight_.erase(g.va);
+  inflight_bytes_ -= g.size;
+  for (const auto& p : g.pieces)
+    if (!p.created) inflight_lent_ -= p.size;
+  status st = g.st;
+  if (st.ok() && pol_.access_changes != g.access_gen) {
+    // A peer was granted or revoked while the driver calls ran: the new range gets the table of
+    // now, device by device, as set_peer_access gave it to every mapped run.
+    auto mode_in = [](const std::vector<access_desc>& t, int d) {
+      for (const auto& a : t)
+        if (a.device == d) return a.mode;
+      return access_mode::none;
+    };
+    std::vector<int> devices;
+    for (const auto& a : g.access) devices.push_back(a.device);
+    for (const auto& a : pol_.access) devices.push_back(a.device);
+    for (int d : devices) {
+      const access_mode now = mode_in(pol_.access, d);
+      if (now == mode_in(g.access, d)) continue;
+      const access_desc one[1] = {{d, now}};
+      if (st = drv_.set_access(g.va, g.size, one); !st.ok()) break;
+    }
+    if (!st.ok()) {  // undo the mappings, newest first, as a refused transaction does
+      std::size_t off = g.size;
+      for (auto it = g.pieces.rbegin(); it != g.pieces.rend(); ++it) {
+        off -= it->size;
+        if (!vm::driver::twice([&] { return drv_.unmap(g.va + off, it->size); }).ok()) {
+          g.strays.add_mapping(g.va + off, it->size, it->h);
+          continue;
+        }
+        if (it->created) {
+          if (!vm::driver::twice([&] { return drv_.release(it->h); }).ok()) g.strays.add_handle(it->h, it->size);
+        } else {
+          g.returned.push_back({it->h, it->size});
+        }
+      }
+    }
+  }
+  if (!st.ok()) {
+    give_hole(g.va, g.size);
+    for (const auto& e : g.strays.entries())
+      if (e.mapped) take_hole(e.va, e.size);  // what the driver refused to unmap keeps its VA
+    strays_.take(g.strays);
+    for (auto& l : g.returned) idle_put(l.h, l.size);
+    g.returned.clear();
+    note_peaks();
+    return st;
+  }
+  strays_.take(g.strays);  // empty after a success
+  install(g.va, g.pieces, g.owner, g.heap);
+  return {};
 }
 
 std::vector<std::pair<std::uintptr_t, std::size_t>> arena::mapped_runs() const {
@@ -426,14 +569,14 @@ void arena::sub_used(std::uint32_t id, std::size_t n) {
 }
 
 void arena::note_peaks() {
-  const std::size_t physical = mapped_ + idle_bytes_ + strays_.bytes() + retired_held_;
+  const std::size_t physical = physical_now();
   peak_mapped_ = std::max(peak_mapped_, mapped_);
   peak_physical_ = std::max(peak_physical_, physical);
 }
 
 void arena::reset_peaks() {
   peak_mapped_ = mapped_;
-  peak_physical_ = mapped_ + idle_bytes_ + strays_.bytes() + retired_held_;
+  peak_physical_ = physical_now();
 }
 
 arena_stats arena::stats() const {
@@ -442,7 +585,7 @@ arena_stats arena::stats() const {
   s.mapped = mapped_;
   s.idle = idle_bytes_;
   s.stray_bytes = strays_.bytes();
-  s.physical = mapped_ + idle_bytes_ + s.stray_bytes + retired_held_;
+  s.physical = physical_now();
   for (const auto& r : retiring_) s.retiring_bytes += r.size;
   s.retired = retired_count_;
   s.free_chunk_bytes = free_chunk_bytes_;
@@ -450,7 +593,9 @@ arena_stats arena::stats() const {
   s.peak_physical = peak_physical_;
   s.chunks = chunk_count_;
   s.stitched = stitched_;
-  s.compression_fallbacks = pol_.compression_fallbacks;
+  // Counted by create hooks that may run outside the front end's lock.
+  auto& fallbacks = const_cast<std::uint64_t&>(pol_.compression_fallbacks);
+  s.compression_fallbacks = std::atomic_ref(fallbacks).load(std::memory_order_relaxed);
   s.ipc_fallbacks = pol_.ipc_fallbacks;
   s.compressed = compressed_bytes_;
   s.access_changes = pol_.access_changes;
@@ -469,6 +614,12 @@ std::string arena::check() const {
     if (r.released) held += r.size;
   }
   if (held != retired_held_) return "retired held byte count is off";
+  std::size_t inflight = 0;
+  for (const auto& [va, n] : inflight_) {
+    if (!ranges.emplace(va, n).second) return "a growth in flight overlaps a hole, stray or retired range";
+    inflight += n;
+  }
+  if (inflight != inflight_bytes_) return "bytes of growths in flight are off";
   std::size_t mapped = 0, freeb = 0, n = 0;
   for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
     const chunk& c = chunks_[id];
@@ -483,7 +634,7 @@ std::string arena::check() const {
   }
   std::uintptr_t cur = res_.base();
   for (auto& [va, sz] : ranges) {
-    if (va != cur) return "holes, chunks, strays and retired ranges do not tile the reservation";
+    if (va != cur) return "holes, chunks, strays, retired ranges and growths in flight do not tile the reservation";
     cur = va + sz;
   }
   if (res_.size() && cur != res_.base() + res_.size()) return "holes, chunks and strays do not cover the reservation";

@@ -20,7 +20,8 @@
 // a failed map_range leaves chunks, idle handles and holes as before; what the driver refused to
 // undo is parked as a stray, its VA kept out of the holes until a retry succeeds.
 //
-// Thread safety: none here. The front end serialises heap and arena under its locks.
+// Thread safety: the front end serialises heap and arena under its lock, except run_growth(): the
+// driver calls of a growth the front end asked to defer, made without that lock (see below).
 #pragma once
 
 #include <chrono>
@@ -29,6 +30,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -110,6 +112,43 @@ class arena {
   // released while a new one is created; *mapped says how much was mapped.
   result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
                                    std::size_t* mapped = nullptr, std::uint16_t heap = 0);
+  // ---- growth outside the front end's lock ----
+  // With defer_growth(true), a map_range that needs driver calls does only the bookkeeping: it
+  // takes the hole and the idle handles it will map, counts what it will create against the
+  // memory limit, parks the rest as a pending growth and fails with errc::other ("deferred").
+  // The front end takes the growth, drops its lock, runs the driver calls (run_growth: create,
+  // map, set_access), takes the lock again and installs the chunks (finish_growth). Other threads
+  // allocate from what is mapped meanwhile; the hole and the handles are nobody else's.
+  struct growth {
+    struct piece {
+      std::size_t size = 0;
+      mem_handle h = 0;     // 0 until run_growth creates it
+      bool created = false;  // created for this growth (else an idle handle)
+      bool marked = false;   // the compression policy's word on the mapped handle
+    };
+    std::uintptr_t va = 0;
+    std::size_t size = 0;
+    std::uint32_t owner = 0;
+    std::uint16_t heap = 0;
+    std::vector<piece> pieces;
+    std::vector<access_desc> access;  // the access table when it was taken
+    std::uint64_t access_gen = 0;     // its version (policy state's access_changes)
+    vm::strays strays;                // what a refused rollback left (moved to the arena's)
+    std::vector<vm::mapping_txn::lent> returned;  // idle handles a rollback gave back
+    status st;                        // run_growth's result
+    // The requesting heap's own: the stream and whether the growth gave memory back first.
+    stream_t stream = nullptr;
+    bool pressed = false;
+  };
+  void defer_growth(bool on) { defer_ = on; }
+  growth* pending_growth() { return pending_ ? &*pending_ : nullptr; }
+  growth take_growth();
+  // Without the front end's lock: creates, maps and grants access, all or nothing (g.st).
+  void run_growth(growth& g);
+  // Under the lock again: installs the chunks, or gives the hole and the handles back. Fails
+  // when run_growth did, or the access table changed meanwhile and could not be applied.
+  status finish_growth(growth& g);
+
   // Whether [at, at+size) is an unmapped hole right now.
   bool hole_at(std::uintptr_t at, std::size_t size) const;
 
@@ -188,6 +227,10 @@ class arena {
   void idle_put(mem_handle h, std::size_t size);
   void release_or_park(mem_handle h, std::size_t size);  // a refused release parks h as a stray
   void note_peaks();
+  std::size_t physical_now() const {
+    return mapped_ + idle_bytes_ + strays_.bytes() + retired_held_ + inflight_lent_;
+  }
+  void install(std::uintptr_t va, const std::vector<growth::piece>& pieces, std::uint32_t owner, std::uint16_t heap);
 
   std::unique_ptr<backend_iface> b_;
   vm::driver drv_;
@@ -224,6 +267,13 @@ class arena {
   void count_mapped(const chunk& c, bool add);
   std::vector<lru_list> lru_;  // per heap
 
+  // Growth outside the lock: the one map_range parked, and every growth taken and not finished
+  // (its VA is no hole and no chunk). All its bytes count against the memory limit; as physical
+  // memory (stats, peaks) only the idle handles it took, until it is installed.
+  bool defer_ = false;
+  std::optional<growth> pending_;
+  std::map<std::uintptr_t, std::size_t> inflight_;
+  std::size_t inflight_bytes_ = 0, inflight_lent_ = 0;
   std::size_t compressed_bytes_ = 0;  // mapped bytes the driver granted compression for
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
   std::size_t peak_mapped_ = 0, peak_physical_ = 0;

@@ -3,8 +3,9 @@
 //
 // Locks, in the order they may be taken (never the reverse):
 //   1. cache_registry_mutex() (global) thread-cache registration, thread exit, allocator destruction
-//   2. impl::mu      (per allocator) heap and arena; the arena's mapping work happens only here,
-//                    inside heap growth or release (the slow path)
+//   2. impl::mu      (per allocator) heap and arena; unmapping and releasing happen under it,
+//                    while a growth's create / map / set_access run after it is dropped
+//                    (allocate_growing), on a VA range and handles set aside under it
 //   3. backend's own registry mutex (host backend), taken inside backend calls
 // The hot path (a small size whose thread-cache bin is non-empty, or a free into a bin with room)
 // takes none of them: it pops or pushes a per-thread stack and flips the slot's state byte.
@@ -93,6 +94,40 @@ std::string allocator_impl::out_of_memory_detail() const {
   return d + ")";
 }
 
+namespace {
+// Under lk: attempt(defer) is one try of a heap's allocate. A growth of the own heap it parked
+// (arena::defer_growth) runs without lk: its driver calls (create, map, set_access: tens of
+// microseconds to milliseconds) hold up no other thread's allocation from mapped memory. Then it
+// is installed and adopted under lk, and the request tried again. A growth the driver refused
+// is the request's failure, as under the lock; out of memory instead tries again under lk, with
+// the heap's fallbacks (smaller growth, eviction, reclaim) as before. So does a third growth
+// (other threads took the memory of two first).
+status run_parked_growth(allocator_impl& m, std::unique_lock<std::mutex>& lk) {
+  arena::growth g = m.ar->take_growth();
+  lk.unlock();
+  m.ar->run_growth(g);
+  lk.lock();
+  status st = m.ar->finish_growth(g);
+  if (st.ok()) m.hp->adopt_growth(g);
+  return st;
+}
+
+template <class F>
+result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& attempt) {
+  int deferred = 0;
+  for (bool defer = true;; defer = defer && deferred < 2) {
+    result<std::uintptr_t> r = attempt(defer);
+    if (!m.ar->pending_growth()) return r;
+    ++deferred;
+    if (status st = run_parked_growth(m, lk); !st.ok()) {
+      if (st.kind != errc::out_of_memory) return {0, st};
+      defer = false;
+    }
+    if (r.ok()) return r;  // not expected: a parked growth fails the try
+  }
+}
+}  // namespace
+
 void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
   impl& m = *p_;
   if (alignment == 0) alignment = m.ar->opts().alignment;
@@ -108,8 +143,16 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
         std::vector<std::uintptr_t> ps(m.tc_cap / 2);
         std::size_t got;
         {
-          std::lock_guard g(m.mu);
-          got = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
+          // A new slab's growth runs outside the lock too (see allocate_growing). If it fails,
+          // the locked path below tries again and reports what is wrong.
+          std::unique_lock g(m.mu);
+          for (int deferred = 0;; ++deferred) {
+            m.ar->defer_growth(deferred < 2);
+            got = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
+            m.ar->defer_growth(false);
+            if (!m.ar->pending_growth()) break;
+            if (!run_parked_growth(m, g).ok() || got) break;
+          }
         }
         std::uint64_t bytes_in = 0;
         for (std::size_t k = 0; k < got; ++k) {
@@ -141,9 +184,15 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
   result<std::uintptr_t> r;
   std::string why;
   {
-    std::lock_guard g(m.mu);
+    std::unique_lock g(m.mu);
+    r = allocate_growing(m, g, [&](bool defer) {
+      heap& h = m.heap_for(s);
+      m.ar->defer_growth(defer && &h == m.hp.get());
+      auto x = h.allocate(bytes, alignment, s);  // reclaims and retries once inside
+      m.ar->defer_growth(false);
+      return x;
+    });
     heap& h = m.heap_for(s);
-    r = h.allocate(bytes, alignment, s);  // reclaims and retries once inside
     if (!r.ok() && r.st.kind == errc::out_of_memory) {
       // This thread's cached slots may pin slabs the heap could give back: return them, try again.
       if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->cached_count.get() &&
@@ -183,16 +232,22 @@ void* allocator::allocate_large_cached(std::size_t bytes, std::size_t alignment,
   result<std::uintptr_t> r;
   std::string why;
   {
-    std::lock_guard g(m.mu);
+    std::unique_lock g(m.mu);
     // The cached block goes back first: the heap may need its memory for this request. Not for a
     // request the heap refuses before looking (past the reservation): bad input changes nothing.
     if (bytes <= m.ar->reservation_size()) m.return_large(c);
     heap::block_ref ref;
-    if (m.captures.empty()) {  // a pool begun meanwhile: its heap decides, not the cache
-      r = m.hp->allocate_cacheable(bytes, alignment, s, ref);
-    } else {
-      r = m.heap_for(s).allocate(bytes, alignment, s);
-    }
+    r = allocate_growing(m, g, [&](bool defer) {
+      result<std::uintptr_t> x;
+      if (m.captures.empty()) {  // a pool begun meanwhile: its heap decides, not the cache
+        m.ar->defer_growth(defer);
+        x = m.hp->allocate_cacheable(bytes, alignment, s, ref);
+        m.ar->defer_growth(false);
+      } else {
+        x = m.heap_for(s).allocate(bytes, alignment, s);
+      }
+      return x;
+    });
     if (!r.ok() && r.st.kind == errc::out_of_memory && bytes <= m.ar->reservation_size()) {
       m.flush_cache(c, true);
       r = m.captures.empty() ? m.hp->allocate_cacheable(bytes, alignment, s, ref) : m.heap_for(s).allocate(bytes, alignment, s);

@@ -80,6 +80,10 @@ class heap {
   // Per size class: slabs, slots, used slots, live bytes. Walks the page map (slow path).
   std::vector<class_occupancy> occupancy() const;
 
+  // A growth this heap's allocate() parked (arena::defer_growth), run and installed by the front
+  // end outside its lock: its memory joins the heap free, for the request tried again.
+  void adopt_growth(const arena::growth& g);
+
   // Releases empty slabs, wholly free chunks and idle handles until kept bytes <= keep.
   status trim(std::size_t keep);
 

@@ -243,6 +243,7 @@ struct heap::impl {
   void add_span_range(std::uintptr_t va, std::size_t size, stream_t x, std::uint64_t freed_seq = 0);
 
   status grow(std::size_t need, stream_t x);
+  void grown(bool pressed);  // the next growth's size after one that mapped memory
 
   // ---- releasing chunks ----
   // Unmaps wholly free chunks, oldest first, until the arena holds `target` idle bytes (or none

@@ -68,12 +68,17 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   if (status e = prepare_growth(size, x, pressed); !e.ok()) return {nullptr, e};
   std::size_t got = size;  // more when a retired handle larger than the request is mapped whole
   auto r = a.map_range(size, 0, kOwnerHuge, &got, hid);
-  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
+  if (!r.ok() && !a.pending_growth() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};
     r = a.map_range(size, 0, kOwnerHuge, &got, hid);
   }
   if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
+  if (auto* g = a.pending_growth()) {  // runs outside the front end's lock: see grow()
+    g->stream = x;
+    g->pressed = pressed;
+    return {nullptr, r.st};
+  }
   if (!r.ok()) return {nullptr, r.st};
   size = got;
   ++st.grows;  // new memory mapped, as grow() counts for spans
@@ -118,6 +123,23 @@ void heap::impl::free_huge(block* b, stream_t s) {
     if (!release_huge(b, false).ok()) b->flags |= f_exported;  // usable() refuses it below
     else ++st.exported_released;
   }
+}
+
+void heap::adopt_growth(const arena::growth& g) {
+  auto& m = *p_;
+  if (g.owner == heap_detail::kOwnerHuge) {
+    // A dedicated chunk, fresh (untagged): in the huge cache the retried request finds it.
+    impl::block* b = m.new_block();
+    b->addr = g.va;
+    b->size = g.size;
+    b->flags = impl::f_huge | impl::f_free;
+    m.link_page(b);
+    m.huge_cache.emplace(b->size, b);
+    ++m.st.grows;
+    return;
+  }
+  m.add_span_range(g.va, g.size, g.stream);  // grow() counted it when it asked
+  m.grown(g.pressed);
 }
 
 status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes) {

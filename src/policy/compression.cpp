@@ -2,6 +2,8 @@
 // Compression policy (options.compression): compressible chunks are never mixed with plain ones.
 // The driver treats compression as a hint, so what it granted is read back after every create and
 // map (one cuMemGetAllocationPropertiesFromHandle, only when compression was asked for).
+#include <atomic>
+
 #include "policy/policy.hpp"
 
 namespace vmm::policy {
@@ -23,7 +25,8 @@ class compression final : public policy {
     if (!s.props.compressible || granted(d, h)) return {};
     if (o.compression == compression_mode::require)
       return {errc::not_supported, 0, "compression requested but not granted", "cuMemCreate"};
-    ++s.compression_fallbacks;
+    // Counted while the front end's lock may not be held (growth outside the lock): atomic.
+    std::atomic_ref(s.compression_fallbacks).fetch_add(1, std::memory_order_relaxed);
     return {};
   }
   bool mapped(vm::driver& d, const state& s, mem_handle h) override { return s.props.compressible && granted(d, h); }

@@ -1,0 +1,208 @@
+// SPDX-License-Identifier: Apache-2.0
+// Growth's driver calls run outside the allocator's lock: while one thread's growth sits in
+// cuMemCreate or cuMemMap (here: a backend that blocks there until the test lets it go), other
+// threads allocate and free from mapped memory, read stats and check the invariants. The memory
+// limit counts the growth in flight, so two growths at once cannot pass it together. Host
+// backend; CI runs it in the plain, ASan and TSan trees.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "vmmalloc/host_backend.hpp"
+#include "vmmalloc/vmmalloc.hpp"
+
+using namespace vmm;
+
+namespace {
+constexpr std::size_t MiB = std::size_t{1} << 20, GiB = MiB << 10;
+using namespace std::chrono_literals;
+
+// Blocks the first create (or map) after arm() until open(): a driver call that takes long.
+class gate_backend final : public forwarding_backend {
+ public:
+  enum which { none, create_call, map_call };
+  using forwarding_backend::forwarding_backend;
+
+  result<mem_handle> create(std::size_t n, const chunk_props& p) override {
+    hold(create_call);
+    return forwarding_backend::create(n, p);
+  }
+  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) override {
+    hold(map_call);
+    return forwarding_backend::map(va, n, h, off);
+  }
+
+  void arm(which w) { armed_.store(w); }
+  bool wait_entered(std::chrono::milliseconds t) {
+    std::unique_lock l(mu_);
+    return cv_.wait_for(l, t, [&] { return entered_; });
+  }
+  void open() {
+    {
+      std::lock_guard l(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void hold(which w) {
+    int e = w;
+    if (!armed_.compare_exchange_strong(e, none)) return;
+    std::unique_lock l(mu_);
+    entered_ = true;
+    cv_.notify_all();
+    cv_.wait(l, [&] { return open_; });
+  }
+  std::atomic<int> armed_{none};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool entered_ = false, open_ = false;
+};
+
+struct fixture {
+  gate_backend* gate = nullptr;
+  std::unique_ptr<allocator> a;
+  explicit fixture(options o = {}) {
+    o.reservation_size = 8 * GiB;
+    auto g = std::make_unique<gate_backend>(make_backend<host_backend>());
+    gate = g.get();
+    a = std::make_unique<allocator>(std::move(g), o);
+  }
+};
+
+// While `grower` is blocked in the gated call, `others` must finish: it needs the allocator's
+// lock only for memory that is already mapped.
+void others_run_while_growth_blocks(fixture& f, gate_backend::which w, std::size_t grow_bytes) {
+  allocator& a = *f.a;
+  // Mapped, free memory for the other threads: a few MiB allocated and freed.
+  std::vector<void*> warm;
+  for (int i = 0; i < 8; ++i) warm.push_back(a.allocate(1 * MiB));
+  for (void* p : warm) a.deallocate(p);
+
+  f.gate->arm(w);
+  auto grower = std::async(std::launch::async, [&] { return a.try_allocate(grow_bytes); });
+  REQUIRE(f.gate->wait_entered(10s));
+
+  auto others = std::async(std::launch::async, [&] {
+    int ok = 0;
+    for (int i = 0; i < 200; ++i) {
+      void* p = a.try_allocate(1 * MiB + 4096 * (i % 7));  // the large path: under the lock
+      void* q = a.try_allocate(3000);                       // a small class
+      if (p && q) ++ok;
+      a.deallocate(q);
+      a.deallocate(p);
+    }
+    (void)a.stats();
+    return std::make_pair(ok, a.check());
+  });
+  // Before growth left the lock, `others` waited for the gate: this timed out.
+  const bool finished = others.wait_for(10s) == std::future_status::ready;
+  CHECK_MESSAGE(finished, "allocations from mapped memory waited for another thread's driver call");
+  f.gate->open();
+  auto [ok, problems] = others.get();
+  CHECK(ok == 200);
+  CHECK(problems == "");
+  void* big = grower.get();
+  REQUIRE(big != nullptr);
+  static_cast<char*>(big)[0] = 1;
+  static_cast<char*>(big)[grow_bytes - 1] = 2;
+  a.deallocate(big);
+  CHECK(a.check() == "");
+}
+}  // namespace
+
+TEST_CASE("other threads allocate while a growth waits in create") {
+  SUBCASE("a huge block (its own chunk)") {
+    fixture f;
+    others_run_while_growth_blocks(f, gate_backend::create_call, 512 * MiB);
+  }
+  SUBCASE("span memory") {
+    fixture f;
+    others_run_while_growth_blocks(f, gate_backend::create_call, 96 * MiB);
+  }
+  SUBCASE("thread caches off") {
+    options o;
+    o.thread_cache = false;
+    fixture f(o);
+    others_run_while_growth_blocks(f, gate_backend::create_call, 96 * MiB);
+  }
+}
+
+TEST_CASE("other threads allocate while a growth waits in map") {
+  fixture f;
+  others_run_while_growth_blocks(f, gate_backend::map_call, 512 * MiB);
+}
+
+TEST_CASE("the memory limit counts a growth in flight") {
+  options o;
+  o.memory_limit = 256 * MiB;
+  fixture f(o);
+  allocator& a = *f.a;
+  f.gate->arm(gate_backend::create_call);
+  auto first = std::async(std::launch::async, [&] { return a.try_allocate(160 * MiB); });
+  REQUIRE(f.gate->wait_entered(10s));
+  struct seen {
+    void* over;
+    errc over_kind;
+    void* fits;
+    std::size_t physical;
+    std::string problems;
+  };
+  // 160 MiB are being created: 128 more would pass the limit, 64 do not.
+  auto second = std::async(std::launch::async, [&] {
+    seen r{};
+    r.over = a.try_allocate(128 * MiB);
+    r.over_kind = r.over ? errc::ok : last_error().st.kind;
+    r.fits = a.try_allocate(64 * MiB);
+    r.physical = a.stats().physical;
+    r.problems = a.check();
+    return r;
+  });
+  const bool finished = second.wait_for(10s) == std::future_status::ready;
+  CHECK_MESSAGE(finished, "a request waited for another thread's growth");
+  f.gate->open();
+  const seen r = second.get();
+  CHECK(r.over == nullptr);
+  CHECK(r.over_kind == errc::out_of_memory);
+  CHECK(r.fits != nullptr);
+  CHECK(r.physical <= o.memory_limit);
+  CHECK(r.problems == "");
+  void* p = first.get();
+  CHECK(p != nullptr);
+  CHECK(a.stats().peak_physical <= o.memory_limit);
+  a.deallocate(p);
+  a.deallocate(r.fits);
+  if (r.over) a.deallocate(r.over);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("a growth the driver refuses outside the lock leaves nothing behind") {
+  // The host backend's simulated device memory: the create of the growth fails.
+  host_backend_options ho;
+  ho.physical_limit = 64 * MiB;
+  options o;
+  o.reservation_size = 8 * GiB;
+  allocator a(make_backend<host_backend>(ho), o);
+  void* p = a.allocate(8 * MiB);
+  const auto before = a.stats();
+  CHECK(a.try_allocate(512 * MiB) == nullptr);
+  CHECK(last_error().st.kind == errc::out_of_memory);
+  const auto after = a.stats();
+  CHECK(after.mapped == before.mapped);
+  CHECK(after.physical <= before.physical);
+  CHECK(a.check() == "");
+  void* q = a.try_allocate(32 * MiB);  // the hole and the limit's count came back
+  CHECK(q != nullptr);
+  a.deallocate(q);
+  a.deallocate(p);
+  CHECK(a.check() == "");
+}

@@ -10,9 +10,12 @@
 // on it exactly as an application's threads would.
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "bench_common.hpp"
 #include "vmmalloc/vmmalloc.hpp"
@@ -96,6 +99,79 @@ void bm_trace(benchmark::State& st) {
   st.SetLabel(st.range(1) ? "trace on" : "trace off");
 }
 
+// Pairs beside a growing thread: while the benchmark's threads make allocate + free pairs of
+// sizes above the small classes (256 KiB .. 4 MiB in turn, so each takes the allocator's lock),
+// one more thread keeps growing: a 256 MiB block (a chunk of its own: create + map + set_access)
+// at a time, 8 held, then freed and trimmed (unmap + release, under the lock). range(0):
+// options.grow_outside_lock. Time per iteration = one pair; counter growths = growths/s.
+std::map<std::string, std::unique_ptr<peer>> g_growing;
+
+void bm_beside_growth(benchmark::State& st, bool cuda) {
+  const bool outside = st.range(0) != 0;
+  const std::string key = std::string(cuda ? "cuda" : "host") + (outside ? "/1" : "/0");
+  peer* a = nullptr;
+  {
+    std::lock_guard g(g_mu);
+    auto& p = g_growing[key];
+    if (!p) {
+      vmm::options o;
+      o.grow_outside_lock = outside;
+      try {
+        p = cuda ? vmm::replay::make_vmmalloc_cuda(0, o) : vmm::replay::make_vmmalloc_host(std::size_t{256} << 30, o);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "bench_alloc_free: %s: %s\n", key.c_str(), e.what());
+      }
+    }
+    a = p.get();
+  }
+  if (!a) {
+    st.SkipWithError("cannot create the allocator");
+    return;
+  }
+  static constexpr std::size_t sizes[] = {256 << 10, 384 << 10, 512 << 10, 768 << 10,
+                                          1 << 20,   3 << 19,   2 << 20,   4 << 20};
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> growths{0};
+  std::thread grower;
+  if (st.thread_index() == 0) {
+    grower = std::thread([&] {
+      constexpr std::size_t big = std::size_t{256} << 20;
+      std::vector<void*> held;
+      while (!stop.load(std::memory_order_relaxed)) {
+        void* p = a->allocate(big, nullptr);
+        if (!p) break;
+        held.push_back(p);
+        growths.fetch_add(1, std::memory_order_relaxed);
+        if (held.size() == 8) {
+          for (void* q : held) a->deallocate(q, big, nullptr);
+          held.clear();
+          a->release_cached();
+        }
+      }
+      for (void* q : held) a->deallocate(q, big, nullptr);
+      a->release_cached();
+    });
+  }
+  std::size_t i = static_cast<std::size_t>(st.thread_index());
+  for (auto _ : st) {
+    const std::size_t n = sizes[i++ % 8];
+    void* p = a->allocate(n, nullptr);
+    if (!p) {
+      skip(st, "allocate(" + std::to_string(n) + ")");
+      break;
+    }
+    benchmark::DoNotOptimize(p);
+    a->deallocate(p, n, nullptr);
+  }
+  if (st.thread_index() == 0) {
+    stop.store(true);
+    grower.join();
+    st.counters["growths"] = benchmark::Counter(static_cast<double>(growths.load()), benchmark::Counter::kIsRate);
+  }
+  st.SetItemsProcessed(st.iterations());
+  st.SetLabel(outside ? "growth outside the lock" : "growth under the lock");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -106,6 +182,18 @@ int main(int argc, char** argv) {
     auto* b = benchmark::RegisterBenchmark((std::string("alloc_free/") + k.name).c_str(), bm_alloc_free, &k);
     for (auto s : sizes) b->Arg(s);
     b->ArgName("bytes")->ThreadRange(1, 16)->UseRealTime();
+  }
+  for (const bool cuda : {false, true}) {
+    const bool have = std::any_of(available_peers().begin(), available_peers().end(),
+                                  [&](const peer_kind& k) { return std::string(k.name) == (cuda ? "vmmalloc_cuda" : "vmmalloc_host"); });
+    if (!have) continue;
+    benchmark::RegisterBenchmark(cuda ? "beside_growth/vmmalloc_cuda" : "beside_growth/vmmalloc_host",
+                                 bm_beside_growth, cuda)
+        ->ArgName("outside_lock")
+        ->Arg(0)
+        ->Arg(1)
+        ->ThreadRange(1, 8)
+        ->UseRealTime();
   }
   benchmark::RegisterBenchmark("trace_overhead/vmmalloc_host", bm_trace)
       ->ArgsProduct({{256, 1 << 20}, {0, 1}})
@@ -118,5 +206,6 @@ int main(int argc, char** argv) {
   g_traced[1].reset();
   if (!g_trace_file.empty()) std::remove(g_trace_file.c_str());
   g_shared.clear();  // CUDA peers go before cudart's own teardown
+  g_growing.clear();
   return 0;
 }

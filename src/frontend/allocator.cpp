@@ -115,7 +115,7 @@ status run_parked_growth(allocator_impl& m, std::unique_lock<std::mutex>& lk) {
 template <class F>
 result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& attempt) {
   int deferred = 0;
-  for (bool defer = true;; defer = defer && deferred < 2) {
+  for (bool defer = m.ar->opts().grow_outside_lock;; defer = defer && deferred < 2) {
     result<std::uintptr_t> r = attempt(defer);
     if (!m.ar->pending_growth()) return r;
     ++deferred;
@@ -147,7 +147,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
           // the locked path below tries again and reports what is wrong.
           std::unique_lock g(m.mu);
           for (int deferred = 0;; ++deferred) {
-            m.ar->defer_growth(deferred < 2);
+            m.ar->defer_growth(deferred < 2 && m.ar->opts().grow_outside_lock);
             got = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
             m.ar->defer_growth(false);
             if (!m.ar->pending_growth()) break;

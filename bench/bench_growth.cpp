@@ -9,6 +9,8 @@
 //                        Only resize() is timed; the shrink back to OLD (unmap + release) is not.
 //   growth_inplace_kept/<buf>  the same, with options.keep_idle = OLD: the shrink back keeps the
 //                        handle and the growth maps it again (map + set_access, no create).
+//   growth_inplace_shared/<buf>  the same on growable_buffer::shared(allocator): the shrink back
+//                        gives the handle to the allocator's idle pool, the growth maps it from there.
 //   growth_inplace_2mib_chunks/<buf>  the same growth mapped 2 MiB at a time (512 map rounds per GiB).
 //   growth_inplace_fresh/<buf>  the same growth into fresh memory: 8 buffers made first, each grown
 //                        once (8 iterations), nothing released in between.
@@ -29,6 +31,7 @@
 #include <optional>
 
 #include "vmmalloc/growable_buffer.hpp"
+#include "vmmalloc/vmmalloc.hpp"
 
 #ifdef VMM_REPLAY_CUDA
 #include <cuda_runtime_api.h>
@@ -170,6 +173,53 @@ void bm_inplace(benchmark::State& st, buffer_factory make, bool kept) {
     st.counters["creates_per_grow"] = double(b->counts().create - creates0) / double(st.iterations());
 }
 
+// The same growth on a buffer sharing an allocator's idle pool (growable_buffer::shared): the
+// shrink back gives the chunk to the allocator's pool, the growth maps it back from there (map +
+// set_access, no create), as a buffer beside a running allocator would.
+void bm_inplace_shared(benchmark::State& st, bool cuda) {
+  const std::size_t old_n = g_old, new_n = 2 * g_old;
+  std::optional<vmm::allocator> a;
+  std::optional<vmm::growable_buffer> b;
+  try {
+    vmm::options o;
+    o.reservation_size = 4 * new_n;
+    if (cuda) {
+      a.emplace(o);
+    } else {
+      vmm::host_backend_options h;
+      h.physical_limit = std::max(h.physical_limit, 4 * new_n);
+      a.emplace(vmm::allocator::host(o, h));
+    }
+    b.emplace(vmm::growable_buffer::shared(*a, new_n));
+    b->resize(old_n);
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  void* const p = b->data();
+  const auto creates0 = b->counts().create;
+  try {
+    for (auto _ : st) {
+      b->resize(new_n);
+      st.PauseTiming();
+      if (b->data() != p) {
+        st.SkipWithError("growable_buffer: data() moved");
+        break;
+      }
+      b->resize(old_n);
+      settle_device();
+      st.ResumeTiming();
+    }
+  } catch (const std::exception& e) {
+    st.SkipWithError(e.what());
+    return;
+  }
+  st.counters["old_MiB"] = double(old_n >> 20);
+  st.counters["pool_MiB"] = double(a->stats().idle >> 20);
+  if (st.iterations())
+    st.counters["creates_per_grow"] = double(b->counts().create - creates0) / double(st.iterations());
+}
+
 // 64 MiB -> 8 GiB in 64 MiB steps: one iteration = one step (one chunk, one driver round).
 constexpr std::size_t step_bytes = std::size_t{64} << 20, steps_top = std::size_t{8} << 30;
 
@@ -278,6 +328,9 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark((std::string("growth_inplace/") + k.name).c_str(), bm_inplace, k.make, false)
         ->Unit(benchmark::kMicrosecond)->UseRealTime();
     benchmark::RegisterBenchmark((std::string("growth_inplace_kept/") + k.name).c_str(), bm_inplace, k.make, true)
+        ->Unit(benchmark::kMicrosecond)->UseRealTime();
+    benchmark::RegisterBenchmark((std::string("growth_inplace_shared/") + k.name).c_str(), bm_inplace_shared,
+                                 std::string(k.name) == "vmmalloc_cuda")
         ->Unit(benchmark::kMicrosecond)->UseRealTime();
     benchmark::RegisterBenchmark((std::string("growth_inplace_2mib_chunks/") + k.name).c_str(), bm_inplace_2mib, k.make)
         ->Unit(benchmark::kMicrosecond)->UseRealTime();

@@ -8,14 +8,18 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <new>
 #include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "support/fault_backend.hpp"
 #include "vmmalloc/growable_buffer.hpp"
+#include "vmmalloc/vmmalloc.hpp"
 
 namespace {
 
@@ -575,4 +579,130 @@ TEST_CASE("cuda(): a buffer on the device, or vmm::error saying why not") {
     CHECK(std::string(e.what()).size() > 0);
     MESSAGE("no CUDA here: " << std::string(e.what()));
   }
+}
+
+// ---- shared with an allocator's idle pool ------------------------------------------------------
+
+namespace {
+vmm::allocator shared_host_allocator(vmm::options o = {}) {
+  o.reservation_size = 8 * GiB;
+  return vmm::allocator::host(o);
+}
+}  // namespace
+
+TEST_CASE("shared: a shrink gives the chunk to the allocator's idle pool, the next growth maps it back") {
+  vmm::allocator a = shared_host_allocator();
+  auto buf = growable_buffer::shared(a, 4 * GiB);
+  CHECK(buf.granularity() == a.granularity());
+  buf.resize(64 * MiB);
+  for (std::size_t i = 0; i < 64 * MiB; i += 4096) bytes(buf)[i] = pat(i);
+  CHECK(a.stats().idle == 0);
+  buf.resize(0);
+  CHECK(buf.capacity() == 0);
+  CHECK(buf.idle_bytes() == 0);        // nothing kept by the buffer itself
+  CHECK(a.stats().idle == 64 * MiB);   // the allocator holds it, counted as its physical memory
+  CHECK(a.stats().physical >= 64 * MiB);
+  CHECK(a.check() == "");
+  const auto before = buf.counts();
+  buf.resize(64 * MiB);                // maps the allocator's idle handle: no create
+  CHECK(buf.counts().create == before.create);
+  CHECK(buf.counts().map == before.map + 1);
+  CHECK(a.stats().idle == 0);
+  for (std::size_t i = 0; i < 64 * MiB; i += 4096) bytes(buf)[i] = pat(i + 1);
+  for (std::size_t i = 0; i < 64 * MiB; i += 4096) REQUIRE(bytes(buf)[i] == pat(i + 1));
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("shared: the allocator's growth stitches what the buffer gave back") {
+  vmm::allocator a = shared_host_allocator();
+  {
+    auto buf = growable_buffer::shared(a, 4 * GiB);
+    buf.resize(256 * MiB);
+    buf.resize(0);
+  }
+  CHECK(a.stats().idle == 256 * MiB);
+  const auto s0 = a.stats();
+  void* p = a.allocate(256 * MiB);  // a huge block: its own chunk, stitched from the idle handle
+  const auto s1 = a.stats();
+  CHECK(s1.stitched == s0.stitched + 1);
+  CHECK(s1.calls.create == s0.calls.create);
+  CHECK(s1.idle == 0);
+  static_cast<char*>(p)[0] = 1;
+  static_cast<char*>(p)[256 * MiB - 1] = 2;
+  a.deallocate(p);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("shared: a growth maps the allocator's idle handles first, creates only the rest") {
+  vmm::allocator a = shared_host_allocator();
+  {
+    auto give = growable_buffer::shared(a, 4 * GiB);
+    give.resize(64 * MiB);
+    give.resize(160 * MiB);  // a second chunk: two handles go to the pool
+    give.resize(0);
+  }
+  REQUIRE(a.stats().idle == 160 * MiB);
+  auto buf = growable_buffer::shared(a, 4 * GiB);
+  buf.resize(224 * MiB);
+  CHECK(a.stats().idle == 0);
+  CHECK(buf.counts().create == 1);  // the 64 MiB the pool did not cover
+  CHECK(buf.counts().map == 3);
+  CHECK(buf.chunk_count() == 3);
+  CHECK(buf.capacity() == 224 * MiB);
+  for (std::size_t i = 0; i < buf.size(); i += MiB) bytes(buf)[i] = pat(i);
+  for (std::size_t i = 0; i < buf.size(); i += MiB) REQUIRE(bytes(buf)[i] == pat(i));
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("shared: a shrink that would pass the allocator's memory_limit releases instead") {
+  vmm::options o;
+  o.memory_limit = 32 * MiB;
+  vmm::allocator a = shared_host_allocator(o);
+  auto buf = growable_buffer::shared(a, 4 * GiB);
+  buf.resize(64 * MiB);  // the buffer's own memory: not the allocator's to count
+  const auto before = buf.counts();
+  buf.resize(0);
+  CHECK(a.stats().idle == 0);
+  CHECK(buf.counts().release == before.release + 1);
+  CHECK(host_of(buf).live_handles() == 0);
+  CHECK(a.check() == "");
+  void* p = a.try_allocate(32 * MiB);  // the limit is whole for the allocator
+  CHECK(p != nullptr);
+  a.deallocate(p);
+}
+
+TEST_CASE("shared: memory the allocator cannot lend is refused with a clear error") {
+  vmm::options o;
+  o.compression = vmm::compression_mode::prefer;
+  vmm::allocator c = shared_host_allocator(o);
+  CHECK_THROWS_WITH_AS(growable_buffer::shared(c, GiB), doctest::Contains("compressible"), vmm::error);
+  vmm::options e;
+  e.ipc = vmm::ipc_kind::posix_fd;
+  vmm::allocator x = shared_host_allocator(e);
+  CHECK_THROWS_WITH_AS(growable_buffer::shared(x, GiB), doctest::Contains("exportable"), vmm::error);
+}
+
+TEST_CASE("shared: buffers and the allocator's threads share one pool") {
+  vmm::allocator a = shared_host_allocator();
+  std::vector<std::thread> ts;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 3; ++t)
+    ts.emplace_back([&, t] {
+      auto buf = growable_buffer::shared(a, 2 * GiB);
+      for (int i = 0; i < 40; ++i) {
+        const std::size_t n = static_cast<std::size_t>(1 + (i * 7 + t) % 16) * 8 * MiB;
+        buf.resize(n);
+        bytes(buf)[n - 1] = static_cast<unsigned char>(i);
+        if (bytes(buf)[n - 1] != static_cast<unsigned char>(i)) ++bad;
+        buf.resize(n / 4);
+        void* p = a.allocate(n / 2);  // maps what the buffers gave back, or creates
+        static_cast<char*>(p)[0] = 1;
+        a.deallocate(p);
+      }
+    });
+  for (auto& t : ts) t.join();
+  CHECK(bad == 0);
+  CHECK(a.check() == "");
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
 }

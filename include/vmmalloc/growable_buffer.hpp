@@ -42,10 +42,17 @@
 //    refused call once (it cannot report errors).
 //  * Not thread-safe, like std::vector: one thread at a time (or the caller's lock) per buffer.
 //  * Movable (the moved-from buffer is empty: data() == nullptr, holds nothing), not copyable.
+//  * growable_buffer::shared(a, ...): the buffer runs on allocator a's backend and shares a's pool
+//    of idle handles. A growth maps handles a holds idle (what its frees, trims and pressure
+//    unmapped; at most 8, largest first) before it creates; a shrink gives its chunks to a's idle
+//    pool instead of releasing them (keep_idle is not used), where a's next growth or this
+//    buffer's maps them again without cuMemCreate. Handles in a's pool count against a's
+//    memory_limit (a shrink that would pass it releases instead) and go back to the device with
+//    a's trim() and pressure paths. a must outlive the buffer. The buffer's own driver calls run
+//    without a's lock; only taking and giving a handle take it.
 //
 // Layering: a sibling of the arena, on top of the backend seam (backend.hpp). It owns its backend
-// and reservation and shares nothing with vmm::allocator; vmmalloc.hpp is included only for the
-// exception types (vmm::error, vmm::out_of_memory).
+// and reservation; only a shared buffer reaches into an allocator (its backend and idle pool).
 #pragma once
 
 #include <cstddef>
@@ -59,6 +66,8 @@
 #include "vmmalloc/stats.hpp"
 
 namespace vmm {
+
+class allocator;
 
 struct growable_options {
   int device = 0;                   // owner device: every chunk is created there, read_write
@@ -82,6 +91,10 @@ class growable_buffer {
   // the driver, the device or VMM support is missing.
   static growable_buffer cuda(std::size_t capacity_limit, int device = 0, growable_options o = {});
 
+  // On allocator a's backend and device, sharing a's idle handles (see the contract). Throws
+  // vmm::error when a's chunks cannot serve the buffer: compressible or exportable memory, host
+  // memory, another device than o.device (set to a's), or peers needing a larger granularity.
+  static growable_buffer shared(allocator& a, std::size_t capacity_limit, growable_options o = {});
   ~growable_buffer();
   growable_buffer(growable_buffer&&) noexcept;
   growable_buffer& operator=(growable_buffer&&) noexcept;
@@ -116,6 +129,9 @@ class growable_buffer {
 
  private:
   struct impl;  // src/buffer: the driver, the reservation, the chunks, parked rollback work
+  growable_buffer(std::unique_ptr<impl> m, std::size_t capacity_limit, const growable_options& o,
+                  std::size_t min_granularity);
+  void open(std::size_t min_granularity);
   void grow_to(std::size_t n, const char* what);
   void trim_to(std::size_t n, const char* what);
   void destroy() noexcept;

@@ -479,6 +479,27 @@ status arena::release_idle(std::size_t keep, bool keep_retired) {
   return {};
 }
 
+bool arena::lend_idle(std::size_t max, mem_handle& h, std::size_t& size) {
+  for (auto it = idle_.upper_bound(max); it != idle_.begin();) {
+    --it;
+    if (aliased(it->second)) continue;
+    h = it->second;
+    size = it->first;
+    idle_bytes_ -= size;
+    idle_.erase(it);
+    return true;
+  }
+  return false;
+}
+
+bool arena::take_back(mem_handle h, std::size_t size) {
+  if (size > opt_.memory_limit || physical_now() + (inflight_bytes_ - inflight_lent_) > opt_.memory_limit - size)
+    return false;
+  idle_put(h, size);
+  note_peaks();
+  return true;
+}
+
 void arena::retire_chunk(std::uint32_t id, fence_t fence) {
   chunk& c = chunks_[id];
   assert(c.size && c.used == 0);

@@ -185,6 +185,14 @@ class arena {
     return b;
   }
 
+  // Lending idle handles to a growable_buffer that shares this arena's pool (growable_buffer::
+  // shared). lend_idle: the largest idle handle of at most max bytes, not one whose retired range
+  // is still mapped (its old work is ordered on a stream the buffer knows nothing of); false when
+  // none. take_back: a handle the buffer no longer maps joins the idle cache, unless holding it
+  // would pass memory_limit (false: the buffer releases it).
+  bool lend_idle(std::size_t max, mem_handle& h, std::size_t& size);
+  bool take_back(mem_handle h, std::size_t size);
+
   // Releases idle handles until idle_bytes() <= keep; retries parked strays first. keep_retired:
   // leave handles whose retired range is still mapped (releasing them frees nothing yet).
   status release_idle(std::size_t keep, bool keep_retired = false);

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "frontend/allocator_impl.hpp"
 #include "vm/granularity.hpp"
 #include "vm/mapping.hpp"
 #include "vm/reservation.hpp"
@@ -34,9 +35,26 @@ struct growable_buffer::impl {
     std::size_t size = 0;
     mem_handle handle = 0;
   };
-  explicit impl(std::unique_ptr<backend_iface> bb) : b(std::move(bb)), d(b.get()) {}
-  std::unique_ptr<backend_iface> b;
+  explicit impl(std::unique_ptr<backend_iface> bb) : b(std::move(bb)), bp(b.get()), d(bp) {}
+  impl(backend_iface& borrowed, allocator_impl& a) : bp(&borrowed), d(bp), pool(&a) {}
+  std::unique_ptr<backend_iface> b;  // null when shared: the allocator's backend is used
+  backend_iface* bp;
   vm::driver d;
+  allocator_impl* pool = nullptr;    // shared(): the allocator whose idle handles this buffer shares
+
+  // A shared buffer's unmapped handle goes to the allocator's idle pool; when the pool would pass
+  // the allocator's memory_limit it is released instead (a refused release is parked: *st says
+  // so). true: the pool took it.
+  bool give_to_pool(mem_handle h, std::size_t size, status* st = nullptr) {
+    {
+      std::lock_guard g(pool->mu);
+      if (pool->ar->take_back(h, size)) return true;
+    }
+    status s = vm::driver::twice([&] { return d.release(h); });
+    if (!s.ok()) strays.add_handle(h, size);
+    if (st) *st = s;
+    return false;
+  }
   vm::reservation res;
   chunk_props props;
   std::vector<access_desc> access;  // owner + peers, applied to every chunk with one set_access
@@ -48,12 +66,22 @@ struct growable_buffer::impl {
 growable_buffer::growable_buffer(std::unique_ptr<backend_iface> b, std::size_t capacity_limit,
                                  const growable_options& o)
     : opt_(o), limit_(capacity_limit) {
+  if (!b) throw error(fail(errc::invalid_value, "growable_buffer", "no backend"), "vmm::growable_buffer: no backend");
+  p_ = std::make_unique<impl>(std::move(b));
+  open(0);
+}
+
+growable_buffer::growable_buffer(std::unique_ptr<impl> m, std::size_t capacity_limit, const growable_options& o,
+                                 std::size_t min_granularity)
+    : p_(std::move(m)), opt_(o), limit_(capacity_limit) {
+  open(min_granularity);
+}
+
+void growable_buffer::open(std::size_t min_granularity) {
   const char* ctx = "vmm::growable_buffer";
-  if (!b) throw error(fail(errc::invalid_value, "growable_buffer", "no backend"), std::string(ctx) + ": no backend");
-  if (capacity_limit == 0)
+  if (limit_ == 0)
     throw error(fail(errc::invalid_value, "growable_buffer", "capacity_limit is 0"),
                 std::string(ctx) + ": capacity_limit must be > 0");
-  p_ = std::make_unique<impl>(std::move(b));
   impl& m = *p_;
   m.props.location = location_kind::device;
   m.props.id = opt_.device;
@@ -66,17 +94,38 @@ growable_buffer::growable_buffer(std::unique_ptr<backend_iface> b, std::size_t c
   auto g = vm::granularity_for(m.d, m.props, m.access, false, &why);
   if (!g.ok()) throw_status(g.st, std::string(ctx) + ": " + why);
   gran_ = g.value;
-  if (capacity_limit > std::numeric_limits<std::size_t>::max() - gran_)
+  if (min_granularity) {  // shared: the allocator's handles must map at this buffer's granularity
+    if (gran_ > min_granularity)
+      throw error(fail(errc::invalid_value, "growable_buffer", "peer granularity larger than the allocator's"),
+                  std::string(ctx) + ": a peer needs a granularity of " + mib(gran_) + ", the allocator's is " +
+                      mib(min_granularity) + " (name the peer in the allocator's options.peers)");
+    gran_ = min_granularity;
+  }
+  if (limit_ > std::numeric_limits<std::size_t>::max() - gran_)
     throw out_of_memory(fail(errc::out_of_memory, "growable_buffer", "capacity_limit too large"),
                         std::string(ctx) + ": capacity_limit too large");
   opt_.min_chunk = round_up(std::max(opt_.min_chunk, gran_), gran_);
 
   // The one reservation: ~3 us on the driver even for 64 TiB, so reserving the limit up front
   // costs nothing and is what makes data() stable.
-  reserved_ = round_up(capacity_limit, gran_);
+  reserved_ = round_up(limit_, gran_);
   if (status s = m.res.open(m.d, reserved_, gran_); !s.ok())
     throw_status(s, std::string(ctx) + ": reserving " + mib(reserved_) + " of address space");
   base_ = m.res.base();
+}
+
+growable_buffer growable_buffer::shared(allocator& a, std::size_t capacity_limit, growable_options o) {
+  allocator_impl& ai = allocator_access::of(a);
+  const options& ao = ai.ar->opts();
+  const char* ctx = "vmm::growable_buffer::shared";
+  const char* why = nullptr;
+  if (ao.location != location_kind::device) why = "the allocator's memory is not device memory";
+  else if (ao.compression != compression_mode::off) why = "the allocator's memory is compressible";
+  else if (ao.ipc != ipc_kind::none) why = "the allocator's memory is exportable (ipc)";
+  if (why) throw error(fail(errc::invalid_value, "growable_buffer", why), std::string(ctx) + ": " + why);
+  o.device = ao.device;
+  return growable_buffer(std::make_unique<impl>(ai.ar->drv().backend(), ai), capacity_limit, o,
+                         ai.ar->granularity());
 }
 
 growable_buffer growable_buffer::host(std::size_t capacity_limit, const host_backend_options& h,
@@ -122,7 +171,7 @@ growable_buffer& growable_buffer::operator=(growable_buffer&& o) noexcept {
 }
 
 driver_counts growable_buffer::counts() const { return p_ ? p_->d.counts() : driver_counts{}; }
-backend_iface& growable_buffer::backend() noexcept { return *p_->b; }
+backend_iface& growable_buffer::backend() noexcept { return *p_->bp; }
 
 void growable_buffer::destroy() noexcept {
   if (!p_) return;
@@ -130,8 +179,9 @@ void growable_buffer::destroy() noexcept {
   // Teardown cannot report errors: each call is made once more if refused (a driver that refuses
   // once must not leak a handle, a mapping or the reservation). Tail first, the reverse of growth.
   for (auto it = m.chunks.rbegin(); it != m.chunks.rend(); ++it) {
-    (void)vm::driver::twice([&] { return m.d.unmap(it->va, it->size); });
-    (void)vm::driver::twice([&] { return m.d.release(it->handle); });
+    if (!vm::driver::twice([&] { return m.d.unmap(it->va, it->size); }).ok()) continue;  // cannot be reused
+    if (m.pool) (void)m.give_to_pool(it->handle, it->size);  // shared: the allocator's to map again
+    else (void)vm::driver::twice([&] { return m.d.release(it->handle); });
   }
   m.chunks.clear();
   for (const impl::chunk& c : m.idle) (void)vm::driver::twice([&] { return m.d.release(c.handle); });
@@ -212,7 +262,10 @@ void growable_buffer::grow_to(std::size_t n, const char* what) {
   std::size_t got = 0;
   auto undo = [&](const status& st, std::size_t bytes) {
     txn.rollback();
-    for (const auto& l : txn.returned()) m.idle.push_back({0, l.size, l.h});
+    for (const auto& l : txn.returned()) {
+      if (m.pool) m.give_to_pool(l.h, l.size);  // lent by the allocator: back to its pool
+      else m.idle.push_back({0, l.size, l.h});
+    }
     txn.returned().clear();
     idle_ = 0;
     for (const impl::chunk& c : m.idle) idle_ += c.size;
@@ -229,6 +282,19 @@ void growable_buffer::grow_to(std::size_t n, const char* what) {
     if (status st = txn.map(va + got, c.size, c.handle, false); !st.ok()) undo(st, c.size);
     added.push_back({va + got, c.size, c.handle});
     got += c.size;
+  }
+
+  // Shared: the allocator's idle handles, largest first; at most 8, each one map call.
+  for (int k = 0; m.pool && k < 8 && got < need; ++k) {
+    mem_handle h = 0;
+    std::size_t n = 0;
+    {
+      std::lock_guard g(m.pool->mu);
+      if (!m.pool->ar->lend_idle(need - got, h, n)) break;
+    }
+    if (status st = txn.map(va + got, n, h, false); !st.ok()) undo(st, n);
+    added.push_back({va + got, n, h});
+    got += n;
   }
 
   if (got < need) {
@@ -270,6 +336,11 @@ void growable_buffer::trim_to(std::size_t n, const char* what) {
     }
     m.chunks.pop_back();
     mapped_ -= c.size;
+    if (m.pool) {
+      if (m.give_to_pool(c.handle, c.size, &s)) continue;
+      if (!s.ok() && err.ok()) err = s;
+      continue;
+    }
     if (idle_ + c.size <= opt_.keep_idle) {  // kept for the next growth: no release now
       m.idle.push_back({0, c.size, c.handle});
       idle_ += c.size;

@@ -9,6 +9,7 @@ namespace vmm {
 
 struct allocator_access {
   using impl = allocator::impl;
+  static impl& of(allocator& a) { return *a.p_; }
 };
 using allocator_impl = allocator_access::impl;
 

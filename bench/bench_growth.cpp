@@ -141,26 +141,20 @@ std::optional<vmm::growable_buffer> open_buffer(benchmark::State& st, buffer_fac
   }
 }
 
-// OLD -> 2 x OLD in place; only resize() is timed. The shrink back releases the grown chunk, so
-// every iteration maps new physical memory, as a real growth would. kept: the buffer keeps the
-// shrunk chunk's handle (options.keep_idle = OLD) and the growth maps it again: no create.
-void bm_inplace(benchmark::State& st, buffer_factory make, bool kept) {
+// OLD -> 2 x OLD in place on b (grown to OLD); only resize() is timed, the shrink back is not.
+void time_regrowth(benchmark::State& st, vmm::growable_buffer& b) {
   const std::size_t old_n = g_old, new_n = 2 * g_old;
-  vmm::growable_options o;
-  if (kept) o.keep_idle = old_n;
-  std::optional<vmm::growable_buffer> b = open_buffer(st, make, new_n, old_n, o);
-  if (!b) return;
-  void* const p = b->data();
-  const auto creates0 = b->counts().create;
+  void* const p = b.data();
+  const auto creates0 = b.counts().create;
   try {
     for (auto _ : st) {
-      b->resize(new_n);
+      b.resize(new_n);
       st.PauseTiming();
-      if (b->data() != p) {
+      if (b.data() != p) {
         st.SkipWithError("growable_buffer: data() moved");
         break;
       }
-      b->resize(old_n);
+      b.resize(old_n);
       settle_device();
       st.ResumeTiming();
     }
@@ -170,14 +164,24 @@ void bm_inplace(benchmark::State& st, buffer_factory make, bool kept) {
   }
   st.counters["old_MiB"] = double(old_n >> 20);
   if (st.iterations())
-    st.counters["creates_per_grow"] = double(b->counts().create - creates0) / double(st.iterations());
+    st.counters["creates_per_grow"] = double(b.counts().create - creates0) / double(st.iterations());
+}
+
+// The shrink back releases the grown chunk, so every iteration maps new physical memory, as a
+// real growth would. kept: the buffer keeps the shrunk chunk's handle (options.keep_idle = OLD)
+// and the growth maps it again: no create.
+void bm_inplace(benchmark::State& st, buffer_factory make, bool kept) {
+  vmm::growable_options o;
+  if (kept) o.keep_idle = g_old;
+  std::optional<vmm::growable_buffer> b = open_buffer(st, make, 2 * g_old, g_old, o);
+  if (b) time_regrowth(st, *b);
 }
 
 // The same growth on a buffer sharing an allocator's idle pool (growable_buffer::shared): the
 // shrink back gives the chunk to the allocator's pool, the growth maps it back from there (map +
 // set_access, no create), as a buffer beside a running allocator would.
 void bm_inplace_shared(benchmark::State& st, bool cuda) {
-  const std::size_t old_n = g_old, new_n = 2 * g_old;
+  const std::size_t new_n = 2 * g_old;
   std::optional<vmm::allocator> a;
   std::optional<vmm::growable_buffer> b;
   try {
@@ -191,33 +195,13 @@ void bm_inplace_shared(benchmark::State& st, bool cuda) {
       a.emplace(vmm::allocator::host(o, h));
     }
     b.emplace(vmm::growable_buffer::shared(*a, new_n));
-    b->resize(old_n);
+    b->resize(g_old);
   } catch (const std::exception& e) {
     st.SkipWithError(e.what());
     return;
   }
-  void* const p = b->data();
-  const auto creates0 = b->counts().create;
-  try {
-    for (auto _ : st) {
-      b->resize(new_n);
-      st.PauseTiming();
-      if (b->data() != p) {
-        st.SkipWithError("growable_buffer: data() moved");
-        break;
-      }
-      b->resize(old_n);
-      settle_device();
-      st.ResumeTiming();
-    }
-  } catch (const std::exception& e) {
-    st.SkipWithError(e.what());
-    return;
-  }
-  st.counters["old_MiB"] = double(old_n >> 20);
+  time_regrowth(st, *b);
   st.counters["pool_MiB"] = double(a->stats().idle >> 20);
-  if (st.iterations())
-    st.counters["creates_per_grow"] = double(b->counts().create - creates0) / double(st.iterations());
 }
 
 // 64 MiB -> 8 GiB in 64 MiB steps: one iteration = one step (one chunk, one driver round).

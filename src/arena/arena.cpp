@@ -240,7 +240,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     inflight_bytes_ += size;
     for (const auto& p : pieces)
       if (!p.created) inflight_lent_ += p.size;
-    growth& g = pending_.emplace();
+    growth& g = pending_.emplace(growth{});
     g.va = va;
     g.size = size;
     g.owner = owner;

@@ -210,7 +210,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     }
     // The limit is checked before the create: everything held (growths in flight on other
     // threads included), the pieces taken for this range, plus what the create would add.
-    const std::size_t physical = physical_now() + (inflight_bytes_ - inflight_lent_) + taken;
+    const std::size_t physical = held_for_limit() + taken;
     if (want > opt_.memory_limit || physical > opt_.memory_limit - want) {
       give_back(0);
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
@@ -493,7 +493,7 @@ bool arena::lend_idle(std::size_t max, mem_handle& h, std::size_t& size) {
 }
 
 bool arena::take_back(mem_handle h, std::size_t size) {
-  if (size > opt_.memory_limit || physical_now() + (inflight_bytes_ - inflight_lent_) > opt_.memory_limit - size)
+  if (size > opt_.memory_limit || held_for_limit() > opt_.memory_limit - size)
     return false;
   idle_put(h, size);
   note_peaks();

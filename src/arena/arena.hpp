@@ -238,6 +238,8 @@ class arena {
   std::size_t physical_now() const {
     return mapped_ + idle_bytes_ + strays_.bytes() + retired_held_ + inflight_lent_;
   }
+  // What memory_limit is checked against: everything held plus what growths in flight will create.
+  std::size_t held_for_limit() const { return physical_now() + (inflight_bytes_ - inflight_lent_); }
   void install(std::uintptr_t va, const std::vector<growth::piece>& pieces, std::uint32_t owner, std::uint16_t heap);
 
   std::unique_ptr<backend_iface> b_;

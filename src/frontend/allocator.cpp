@@ -43,8 +43,12 @@ allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(st
   p_->large_cache = p_->tc_enabled && o.thread_cache_large && !p_->ar->whole_chunks() &&
                     o.release_threshold == std::numeric_limits<std::size_t>::max();
   p_->tc_cap = std::max<std::size_t>(o.thread_cache_slots, 2);
-  for (std::size_t n = 1; p_->hp->small_class(n) >= 0; n += 256)
-    p_->classes = static_cast<std::size_t>(p_->hp->small_class(n)) + 1;
+  p_->unit_class.push_back(0);
+  for (std::size_t n = 256; p_->hp->small_class(n) >= 0; n += 256) {
+    p_->unit_class.push_back(static_cast<std::uint8_t>(p_->hp->small_class(n)));
+    p_->small_limit = n;
+    p_->classes = p_->unit_class.back() + std::size_t{1};
+  }
 }
 
 static std::unique_ptr<backend_iface> make_cuda(int device) {
@@ -135,11 +139,11 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
   // locked path, which decides between the pool and the own heap.
   if (m.tc_enabled && alignment <= 256 && (alignment & (alignment - 1)) == 0 &&
       m.capturing.load(std::memory_order_acquire) == 0) {
-    int cls = m.hp->small_class(bytes);
+    int cls = m.small_class(bytes);
     if (cls >= 0) {
       tcache& c = m.my_cache();
       auto& b = c.bins[cls];
-      if (b.n == 0) {  // refill half a bin under the lock
+      if (b.n.get() == 0) {  // refill half a bin under the lock
         std::vector<std::uintptr_t> ps(m.tc_cap / 2);
         std::size_t got;
         {
@@ -154,25 +158,21 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
             if (!run_parked_growth(m, g).ok() || got) break;
           }
         }
-        std::uint64_t bytes_in = 0;
         for (std::size_t k = 0; k < got; ++k) {
           b.e[k].p = ps[k];
           m.hp->small_slot(ps[k], b.e[k].r);
-          bytes_in += b.e[k].r.size;
         }
-        b.n = static_cast<std::uint32_t>(got);
+        b.n.set(static_cast<std::uint32_t>(got));
         b.stream = s;
-        c.cached_bytes.add(bytes_in);
-        c.cached_count.add(got);
         c.refilled.add(got);
       }
-      if (b.n && b.stream == s) {  // the fast path: pop, mark the slot the user's
-        auto& e = b.e[--b.n];
+      if (const std::uint32_t n = b.n.get(); n && b.stream == s) {  // the fast path: pop, mark the slot the user's
+        auto& e = b.e[n - 1];
+        c.last = &e;
+        b.n.set(n - 1);
         e.r.state->store(e.r.word(1), std::memory_order_relaxed);
         e.r.req->store(static_cast<std::uint32_t>(bytes), std::memory_order_relaxed);
         c.req_delta.add(bytes);
-        c.cached_bytes.add(-std::uint64_t{e.r.size});
-        c.cached_count.add(-std::uint64_t{1});
         c.fast_allocs.add(1);
         if (m.trace) [[unlikely]] m.trace->event('a', e.p, bytes, s);
         return reinterpret_cast<void*>(e.p);
@@ -195,7 +195,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
     heap& h = m.heap_for(s);
     if (!r.ok() && r.st.kind == errc::out_of_memory) {
       // This thread's cached slots may pin slabs the heap could give back: return them, try again.
-      if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->cached_count.get() &&
+      if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->holds_any() &&
           bytes <= m.ar->reservation_size()) {
         m.flush_cache(*tl_cache, true);
         r = h.allocate(bytes, alignment, s);
@@ -223,8 +223,7 @@ void* allocator::allocate_large_cached(std::size_t bytes, std::size_t alignment,
     L.cached = false;
     L.req = bytes;
     c.req_delta.add(bytes);
-    c.cached_bytes.add(-std::uint64_t{L.r.size});
-    c.cached_count.add(-std::uint64_t{1});
+    c.large_cached.add(-std::uint64_t{L.r.size});
     c.fast_allocs.add(1);
     if (m.trace) [[unlikely]] m.trace->event('a', L.p, bytes, s);
     return reinterpret_cast<void*>(L.p);
@@ -287,23 +286,28 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
       L.cached = true;
       c.req_delta.add(-std::uint64_t{L.req});
       if (m.trace) [[unlikely]] m.trace->event('f', u, L.req, s);
-      c.cached_bytes.add(L.r.size);
-      c.cached_count.add(1);
+      c.large_cached.add(L.r.size);
       c.fast_frees.add(1);
       return {};
     }
   }
+  // The slot this thread handed out last (the common allocate-then-free pattern) is found without
+  // the page-map lookup: its bin entry still holds the reference, valid while the slab's set-up
+  // count is unchanged. Any other address, or a slab set up again since, looks the slot up.
   heap::slot_ref r;
-  if (m.tc_enabled && m.hp->small_slot(u, r) && r.stream == s &&
+  const tcache::entry* last = m.tc_enabled && tl_cache_owner == m.id ? tl_cache->last : nullptr;
+  const bool known = last && last->p == u && last->r.current();
+  if (known) r = last->r;
+  if (m.tc_enabled && (known || m.hp->small_slot(u, r)) && r.stream == s &&
       r.state->load(std::memory_order_relaxed) == r.word(1)) {
     tcache& c = m.my_cache();
     auto& b = c.bins[r.cls];
     // Claim the slot atomically: two racing frees cannot both win, and the tag in the word fails
     // a claim on a slab that was set up again since small_slot() read it.
     std::uint16_t expect = r.word(1);
-    if ((b.n == 0 || b.stream == s) &&
+    if ((b.n.get() == 0 || b.stream == s) &&
         r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel)) {  // the fast path
-      if (b.n == m.tc_cap) {
+      if (b.n.get() == m.tc_cap) {
         std::lock_guard g(m.mu);
         m.flush_cache(c, false);
       }
@@ -311,10 +315,10 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
       c.req_delta.add(-std::uint64_t{req});
       if (m.trace) [[unlikely]] m.trace->event('f', u, req, s);
       r.req->store(0, std::memory_order_relaxed);
-      b.e[b.n++] = {u, r};
+      const std::uint32_t n = b.n.get();
+      b.e[n] = {u, r};
+      b.n.set(n + 1);
       b.stream = s;
-      c.cached_bytes.add(r.size);
-      c.cached_count.add(1);
       c.fast_frees.add(1);
       return {};
     }

@@ -49,6 +49,11 @@ struct allocator::impl {
   bool large_cache = false;  // thread caches keep one large block too (not for exportable memory)
   std::size_t tc_cap = 32;
   std::size_t classes = 0;
+  // The heap's size classes, copied so the hot path looks a class up without a call: the class
+  // of n bytes is unit_class[(n + 255) / 256] for 0 < n <= small_limit.
+  std::size_t small_limit = 0;
+  std::vector<std::uint8_t> unit_class;
+  int small_class(std::size_t n) const { return n - 1 < small_limit ? unit_class[(n + 255) >> 8] : -1; }
   // registry (under registry_mu): live caches, and the counters of caches whose thread ended
   std::vector<std::shared_ptr<tcache>> caches;
   std::uint64_t retired_req = 0, retired_allocs = 0, retired_frees = 0, retired_refilled = 0,

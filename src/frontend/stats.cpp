@@ -34,8 +34,14 @@ allocator_stats allocator::stats() const {
                 ff = p_->retired_frees, rf = p_->retired_refilled, fl = p_->retired_flushed;
   for (auto& c : p_->caches) {
     req += c->req_delta.get();
-    cached_b += c->cached_bytes.get();
-    cached_n += c->cached_count.get();
+    for (const auto& b : c->bins) {
+      const std::uint64_t n = b.n.get();
+      cached_n += n;
+      cached_b += n * b.slot_size;
+    }
+    const std::uint64_t large = c->large_cached.get();
+    cached_b += large;
+    cached_n += large != 0;
     fa += c->fast_allocs.get();
     ff += c->fast_frees.get();
     rf += c->refilled.get();
@@ -110,20 +116,13 @@ std::string allocator::check() const {
   for (auto& c : p_->caches) {
     req += c->req_delta.get();
     if (is_own_thread_cache(p_->id, c.get())) {
-      std::uint64_t n = 0;
-      for (auto& b : c->bins) {
-        for (std::uint32_t k = 0; k < b.n; ++k)
-          if (b.e[k].r.state->load(std::memory_order_relaxed) != b.e[k].r.word(2))
-            return "a thread-cached slot is not in state 2";
-        n += b.n;
-      }
-      if (c->large.cached) {
-        auto* b = c->large.r.blk;
-        (void)b;
-        ++n;
-        if (p_->hp->usable_size(c->large.p) != 0) return "a thread-cached large block is still the user's";
-      }
-      if (n != c->cached_count.get()) return "thread cache count is off";
+      for (auto& b : c->bins)
+        for (std::uint32_t k = 0; k < b.n.get(); ++k)
+          if (b.e[k].r.state->load(std::memory_order_relaxed) != b.e[k].r.word(2) || b.e[k].r.size != b.slot_size)
+            return "a thread-cached slot is not in state 2 of its class";
+      if (c->large.cached != (c->large_cached.get() != 0) || (c->large.cached && c->large_cached.get() != c->large.r.size))
+        return "thread cache's large block count is off";
+      if (c->large.cached && p_->hp->usable_size(c->large.p) != 0) return "a thread-cached large block is still the user's";
     } else {
       others = true;
     }

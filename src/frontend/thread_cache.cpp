@@ -60,7 +60,10 @@ tcache& allocator::impl::my_cache_slow() {
     hp->set_cache_tag(c->tag, true);
   }
   c->bins.resize(classes);
-  for (auto& b : c->bins) b.e.resize(tc_cap);
+  for (std::size_t k = 0; k < classes; ++k) {
+    c->bins[k].e.resize(tc_cap);
+    c->bins[k].slot_size = static_cast<std::uint32_t>(hp->class_size(static_cast<int>(k)));
+  }
   {
     std::lock_guard g(cache_registry_mutex());
     caches.push_back(c);
@@ -76,8 +79,7 @@ void allocator::impl::return_large(tcache& c) {
   hp->cache_return(c.large.p, c.large.r);
   c.large.cached = false;
   c.large.p = 0;
-  c.cached_bytes.add(-std::uint64_t{c.large.r.size});
-  c.cached_count.add(-std::uint64_t{1});
+  c.large_cached.add(-std::uint64_t{c.large.r.size});
   c.flushed.add(1);
 }
 
@@ -85,16 +87,10 @@ void allocator::impl::flush_cache(tcache& c, bool all) {
   if (all) return_large(c);
   std::vector<std::uintptr_t> ps;
   for (auto& b : c.bins) {
-    std::uint32_t keep = all ? 0 : b.n / 2;
-    std::uint64_t bytes = 0;
-    for (std::uint32_t k = keep; k < b.n; ++k) {
-      ps.push_back(b.e[k].p);
-      bytes += b.e[k].r.size;
-    }
-    c.cached_bytes.add(-bytes);
-    c.cached_count.add(-std::uint64_t(b.n - keep));
-    c.flushed.add(b.n - keep);
-    b.n = keep;
+    const std::uint32_t n = b.n.get(), keep = all ? 0 : n / 2;
+    for (std::uint32_t k = keep; k < n; ++k) ps.push_back(b.e[k].p);
+    c.flushed.add(n - keep);
+    b.n.set(keep);
   }
   hp->flush(ps.data(), ps.size());
 }

@@ -23,7 +23,18 @@ struct owner_counter {
   std::uint64_t get() const { return v.load(std::memory_order_relaxed); }
 };
 
-// One per (thread, allocator). Bins hold slot addresses of one stream each.
+// A count written only by the owning thread and read by stats() from any thread (relaxed).
+struct owner_count {
+  std::atomic<std::uint32_t> v{0};
+  owner_count() = default;
+  owner_count(const owner_count& o) : v(o.get()) {}  // vector<bin>::resize
+  std::uint32_t get() const { return v.load(std::memory_order_relaxed); }
+  void set(std::uint32_t x) { v.store(x, std::memory_order_relaxed); }
+};
+
+// One per (thread, allocator). Bins hold slot addresses of one stream each. What a cache holds
+// is read from the bins' counts (stats() multiplies by the slot size): no separate byte and slot
+// counters to keep on the hot path.
 struct tcache {
   struct entry {
     std::uintptr_t p;
@@ -31,7 +42,8 @@ struct tcache {
   };
   struct bin {
     stream_t stream = nullptr;
-    std::uint32_t n = 0;
+    owner_count n;
+    std::uint32_t slot_size = 0;  // set before the cache is registered, then constant
     std::vector<entry> e;
   };
   // The large or huge block this thread handed out last, or holds freed (cached): a pair of any
@@ -45,8 +57,15 @@ struct tcache {
   } large;
   allocator_impl* owner;  // null once the allocator is gone (under registry_mu)
   std::uint64_t tag = 0;   // unique per cache: the heap gives each cache its own slabs
-  std::vector<bin> bins;
-  owner_counter req_delta, cached_bytes, cached_count, fast_allocs, fast_frees, refilled, flushed;
+  std::vector<bin> bins;  // sized once: entries never move
+  const entry* last = nullptr;  // the entry of the slot popped last (see try_deallocate)
+  // large_cached: bytes of the cached large block (0 when none).
+  owner_counter req_delta, large_cached, fast_allocs, fast_frees, refilled, flushed;
+  bool holds_any() const {
+    for (const auto& b : bins)
+      if (b.n.get()) return true;
+    return large.cached;
+  }
 };
 
 // The calling thread's most recently used cache and its allocator's id: plain thread_locals

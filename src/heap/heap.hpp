@@ -107,9 +107,15 @@ class heap {
     std::uint32_t size = 0, cls = 0;
     stream_t stream = nullptr;                    // the slab's stream
     std::uint16_t tag = 0;                        // the slab's tag (high byte of each state word)
+    const std::atomic<std::uint32_t>* seq = nullptr;  // the slab's set-up count, and its value
+    std::uint32_t seq_at = 0;                         // when this reference was read
     std::uint16_t word(std::uint8_t st) const { return static_cast<std::uint16_t>(tag | st); }
+    // Whether the slab is still the one this reference was read from (a kept reference is
+    // reused without the page-map lookup only then; the tag alone wraps after 256 set-ups).
+    bool current() const { return seq->load(std::memory_order_acquire) == seq_at; }
   };
   int small_class(std::size_t n) const noexcept;  // -1: n takes another path
+  std::size_t class_size(int cls) const noexcept;  // a slot's bytes in class cls
   // Lock-free: false when p is no slot start, or the slab changed while being read (then the
   // locked path decides).
   bool small_slot(std::uintptr_t p, slot_ref& r) const noexcept;

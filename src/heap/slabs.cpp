@@ -128,6 +128,8 @@ int heap::small_class(std::size_t n) const noexcept {
   return p_->class_of_units[(n + kUnit - 1) / kUnit];
 }
 
+std::size_t heap::class_size(int cls) const noexcept { return p_->class_size[static_cast<std::size_t>(cls)]; }
+
 bool heap::small_slot(std::uintptr_t p, slot_ref& r) const noexcept {
   auto& m = *p_;
   if (!m.a.contains(p)) return false;
@@ -153,6 +155,8 @@ bool heap::small_slot(std::uintptr_t p, slot_ref& r) const noexcept {
   r.req = &sl->req[i];
   r.size = slot;
   r.tag = static_cast<std::uint16_t>((((seq >> 1)) & 0xff) << 8);
+  r.seq = &sl->seq;
+  r.seq_at = seq;
   return true;
 }
 

@@ -230,6 +230,47 @@ TEST_CASE("stale frees beside trim() and slab turnover read only valid metadata"
   CHECK(a.stats().live == 0);
 }
 
+TEST_CASE("a thread frees the slot it handed out last after its slab was set up again 256 times") {
+  // A thread keeps the reference of the slot it handed out last, to free it without the page-map
+  // lookup. Here that slot is freed elsewhere, its slab is destroyed and set up again 256 times
+  // (the 8-bit tag in each state word wraps), the last time for a smaller class, and the address
+  // is handed out again as another slot of that class. The first thread's free must free that
+  // slot, not the one its old reference names (a live block of the other thread).
+  options o;
+  o.reservation_size = GiB;
+  o.thread_cache_slots = 2;  // one slot per refill: slots come in index order
+  auto a = allocator::host(o);
+  const std::size_t big = 512, small = 256;
+  void* p0 = a.allocate(big);  // slot 0 of a fresh slab
+  void* p = a.allocate(big);   // slot 1, at 512 B: the one this thread handed out last
+  REQUIRE(static_cast<char*>(p) == static_cast<char*>(p0) + big);
+  std::vector<void*> held;
+  bool setups_ok = true;
+  std::thread([&] {
+    a.deallocate(p0);
+    a.deallocate(p);
+    a.trim(0);  // the slab is empty: destroyed
+    for (int k = 0; k < 255; ++k) {  // set up and destroyed again, 255 times
+      void* x = a.allocate(k % 2 ? big : small);
+      setups_ok = setups_ok && x == p0;
+      a.deallocate(x);
+      a.trim(0);
+    }
+    for (int k = 0; k < 3; ++k) held.push_back(a.allocate(small));  // the 256th: 0, 256, 512 B
+  }).join();
+  REQUIRE(setups_ok);  // every set-up took the same page
+  REQUIRE(held[2] == p);
+  CHECK(a.try_deallocate(p).ok());  // frees the other thread's block at 512 B
+  std::thread([&] {
+    CHECK(a.try_deallocate(held[1]).ok());  // still that thread's own block
+    CHECK(a.try_deallocate(held[0]).ok());
+  }).join();
+  CHECK(a.check() == "");
+  a.trim(0);
+  CHECK(a.stats().live == 0);
+  CHECK(a.stats().allocated == 0);
+}
+
 TEST_CASE("class_stats(), stats() and check() while other threads allocate and free") {
   options o;
   o.reservation_size = GiB;

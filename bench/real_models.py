@@ -384,6 +384,21 @@ def markdown(result):
                 r["model"], s.get("at", "-"), gib(s.get("peak_physical")), gib(s.get("requested")),
                 gib(s.get("allocated")), gib(s.get("mapped")), gib(s.get("idle")), gib(s.get("free_chunk_bytes")),
                 gib(s.get("slab_bytes")), s.get("deferred", "-"), s.get("live", "-")))
+    vt = [r for r in ok if r["allocator"] == "vmmalloc" and r.get("vmm_stats_end", {}).get("driver_ns") is not None]
+    if vt:
+        lines += ["", "Where vmmalloc's own time went (stats(0) at the end of the process: driver calls and "
+                      "their wall time; fences: recording, querying and waiting for stream fences):", "",
+                  "| model | driver calls | creates | maps | unmaps | set_access | releases | driver ms | "
+                  "fences recorded / queried / waited | fence ms | chunks retired | train + generate s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+        for r in vt:
+            e = r["vmm_stats_end"]
+            busy = (r.get("train_s") or 0.0) + (r.get("generate_s") or 0.0)
+            lines.append("| %s | %d | %d | %d | %d | %d | %d | %.1f | %d / %d / %d | %.1f | %d | %.2f |" % (
+                r["model"], e.get("driver_calls", 0), e.get("creates", 0), e.get("maps", 0), e.get("unmaps", 0),
+                e.get("set_access_calls", 0), e.get("releases", 0), e["driver_ns"] / 1e6, e.get("record_fences", 0),
+                e.get("fence_queries", 0), e.get("fence_waits", 0), e.get("fence_ns", 0) / 1e6,
+                e.get("chunks_retired", 0), busy))
     tr = result.get("trace")
     if tr:
         lines += ["", "Trace of the llama run under vmmalloc: %s (%s)." % (tr.get("path", "-"), tr.get("status", ""))]

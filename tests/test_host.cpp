@@ -224,6 +224,26 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
   }
 }
 
+TEST_CASE("stats: driver calls and fences are timed") {
+  vmm::options o = conf::small_options();
+  auto a = vmm::allocator::host(o);
+  const auto s0 = a.stats().calls;
+  void* p = a.allocate(4 * MiB);  // a growth: create, map, set_access
+  const auto s1 = a.stats().calls;
+  CHECK(s1.total() > s0.total());
+  CHECK(s1.ns > s0.ns);
+  a.deallocate(p);
+  void* q = a.allocate(4 * MiB);  // the same memory again: no call, no time
+  CHECK(a.stats().calls.ns == s1.ns);
+  const vmm::stream_t other = reinterpret_cast<vmm::stream_t>(std::uintptr_t{9});
+  a.record_stream(q, other);  // its free waits for a fence on `other`
+  a.deallocate(q);
+  const auto s2 = a.stats().calls;
+  CHECK(s2.record_fence > s1.record_fence);
+  CHECK(s2.fence_ns > s1.fence_ns);
+  CHECK(a.check() == "");
+}
+
 TEST_CASE("a huge request served from a free span block keeps its alignment") {
   vmm::options o = conf::small_options();
   o.huge_threshold = 16 * MiB;

@@ -79,6 +79,8 @@ typedef struct vmm_stats {
   size_t pool_allocated;   /* bytes of live blocks in graph pools */
   size_t pool_held;        /* mapped bytes owned by graph pools */
   uint64_t margin_trims;   /* growths that gave free memory back first (free_memory_margin) */
+  uint64_t driver_ns;      /* wall time inside driver calls other than fences */
+  uint64_t fence_ns;       /* wall time recording, querying and waiting for stream fences */
 } vmm_stats;
 
 /* Occupancy of one size class (small allocations live in slabs of equal slots). */

@@ -259,8 +259,9 @@ def mem_pool(**kwargs):
 def stats(device=0):
     """vmmalloc's counters for `device` as a dict (bytes and counts: requested, allocated,
     mapped, physical, reserved, their peak_*, chunks, allocs, frees, live, grows, driver_calls,
-    granularity, peers, malloc_failures, free_failures, ...), or None when nothing was allocated
-    on that device yet."""
+    granularity, peers, malloc_failures, free_failures, calls by kind (creates, maps, unmaps, ...),
+    driver_ns and fence_ns (wall time inside driver and fence calls), chunks_retired, ...), or None
+    when nothing was allocated on that device yet."""
     lib = load()
     names = lib.vmm_torch_stat_names().decode().split(",")
     buf = (ctypes.c_uint64 * len(names))()

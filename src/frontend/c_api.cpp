@@ -242,7 +242,8 @@ vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out) {
                    s.grows, s.chunk_releases, s.trims, s.stitched,
                    s.compression_fallbacks, s.ipc_fallbacks, s.access_changes, s.exported, s.exported_released,
                    s.traced_events, s.fragmentation, s.reclaims, s.chunks_retired, s.pools,
-                   s.pool_allocated, s.pool_held, s.margin_trims};
+                   s.pool_allocated, s.pool_held, s.margin_trims,
+                   s.calls.ns, s.calls.fence_ns};
   return ok();
 }
 vmm_status vmm_reset_peaks(vmm_allocator* a) {

@@ -266,7 +266,9 @@ int for_devices(int d, const char* what, F f) noexcept try {
 
 #define VMM_TORCH_NAME(f) #f ","
 constexpr char kStatNames[] = VMM_TORCH_STATS(VMM_TORCH_NAME)
-    "driver_calls,driver_failures,granularity,peers,malloc_failures,free_failures";
+    "driver_calls,driver_failures,granularity,peers,malloc_failures,free_failures,"
+    "creates,maps,unmaps,set_access_calls,releases,record_fences,fence_queries,fence_waits,"
+    "driver_ns,fence_ns,chunks_retired";
 #undef VMM_TORCH_NAME
 
 void* do_malloc(ssize_t size, int device, void* stream, bool throwing) {
@@ -367,6 +369,10 @@ int vmm_torch_stats(int device, uint64_t* out, int n) try {
     v.push_back(slots[device].peers);
     v.push_back(slots[device].malloc_failures.load(std::memory_order_relaxed));
     v.push_back(slots[device].free_failures.load(std::memory_order_relaxed));
+    for (std::uint64_t x : {s.calls.create, s.calls.map, s.calls.unmap, s.calls.set_access, s.calls.release,
+                            s.calls.record_fence, s.calls.fence_query, s.calls.wait_fence, s.calls.ns,
+                            s.calls.fence_ns, s.chunks_retired})
+      v.push_back(x);
     std::copy_n(v.begin(), std::min<std::size_t>(v.size(), static_cast<std::size_t>(n)), out);
     return static_cast<int>(v.size());
   } catch (const std::exception& e) {

@@ -44,6 +44,8 @@ driver_counts driver::counts() const {
   c.fence_query = g(n_.fence_query);
   c.wait_fence = g(n_.wait_fence);
   c.failures = g(n_.failures);
+  c.ns = g(n_.ns);
+  c.fence_ns = g(n_.fence_ns);
   return c;
 }
 

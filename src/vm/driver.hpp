@@ -2,13 +2,15 @@
 // vm::driver: the backend with every call counted, in one place. Everything above the backend
 // (arena, heap fences, growable_buffer, kv_cache, IPC import) calls the driver through this.
 //
-// Counting costs one relaxed atomic add per call (a few ns next to the driver's 1-600 us); the
-// counters are atomic because kv_cache's map-ahead thread calls the driver without a lock.
+// Counting costs one relaxed atomic add per call and two steady-clock reads (~50 ns next to the
+// driver's 1-600 us); the counters are atomic because kv_cache's map-ahead thread calls the
+// driver without a lock.
 // A `scope` counts the calls one thread makes while it lives (kv_cache splits its driver calls
 // by path: append vs map-ahead).
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -29,28 +31,31 @@ class driver {
   unsigned capabilities() { return b_->capabilities(); }
 
   result<granularity_info> granularity(const chunk_props& p) { return note(n_.granularity, b_->granularity(p)); }
-  result<std::uintptr_t> reserve(std::size_t n, std::size_t align) { relaxed r(*this); return note(n_.reserve, b_->reserve(n, align)); }
-  status free_reservation(std::uintptr_t va, std::size_t n) { relaxed r(*this); return note(n_.free_reservation, b_->free_reservation(va, n)); }
-  result<mem_handle> create(std::size_t n, const chunk_props& p) { relaxed r(*this); return note(n_.create, b_->create(n, p)); }
-  status release(mem_handle h) { relaxed r(*this); return note(n_.release, b_->release(h)); }
-  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) { relaxed r(*this); return note(n_.map, b_->map(va, n, h, off)); }
-  status unmap(std::uintptr_t va, std::size_t n) { relaxed r(*this); return note(n_.unmap, b_->unmap(va, n)); }
+  result<std::uintptr_t> reserve(std::size_t n, std::size_t align) { relaxed r(*this, n_.ns); return note(n_.reserve, b_->reserve(n, align)); }
+  status free_reservation(std::uintptr_t va, std::size_t n) { relaxed r(*this, n_.ns); return note(n_.free_reservation, b_->free_reservation(va, n)); }
+  result<mem_handle> create(std::size_t n, const chunk_props& p) { relaxed r(*this, n_.ns); return note(n_.create, b_->create(n, p)); }
+  status release(mem_handle h) { relaxed r(*this, n_.ns); return note(n_.release, b_->release(h)); }
+  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) { relaxed r(*this, n_.ns); return note(n_.map, b_->map(va, n, h, off)); }
+  status unmap(std::uintptr_t va, std::size_t n) { relaxed r(*this, n_.ns); return note(n_.unmap, b_->unmap(va, n)); }
   status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) {
-    relaxed r(*this);
+    relaxed r(*this, n_.ns);
     return note(n_.set_access, b_->set_access(va, n, a));
   }
-  result<memory_info> mem_info() { relaxed r(*this); return note(n_.mem_info, b_->mem_info()); }
-  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) { relaxed r(*this); return note(n_.export_handle, b_->export_handle(h, k)); }
-  result<mem_handle> import_handle(const shareable_handle& s) { relaxed r(*this); return note(n_.import_handle, b_->import_handle(s)); }
-  result<chunk_info> query(mem_handle h) { relaxed r(*this); return note(n_.query, b_->query(h)); }
+  result<memory_info> mem_info() { relaxed r(*this, n_.ns); return note(n_.mem_info, b_->mem_info()); }
+  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) { relaxed r(*this, n_.ns); return note(n_.export_handle, b_->export_handle(h, k)); }
+  result<mem_handle> import_handle(const shareable_handle& s) { relaxed r(*this, n_.ns); return note(n_.import_handle, b_->import_handle(s)); }
+  result<chunk_info> query(mem_handle h) { relaxed r(*this, n_.ns); return note(n_.query, b_->query(h)); }
   // Never on a capturing stream (an event recorded into a capture is no fence): callers check.
-  result<fence_t> record_fence(stream_t s) { return note(n_.record_fence, b_->record_fence(s)); }
+  result<fence_t> record_fence(stream_t s) {
+    timed t(n_.fence_ns);
+    return note(n_.record_fence, b_->record_fence(s));
+  }
   bool fence_done(fence_t f) {
     bump(n_.fence_query);
-    relaxed r(*this);
+    relaxed r(*this, n_.fence_ns);
     return b_->fence_done(f);
   }
-  status wait_fence(fence_t f) { relaxed r(*this); return note(n_.wait_fence, b_->wait_fence(f)); }
+  status wait_fence(fence_t f) { relaxed r(*this, n_.fence_ns); return note(n_.wait_fence, b_->wait_fence(f)); }
   void drop_fence(fence_t f) { b_->drop_fence(f); }  // frees an event: not a driver round trip we count
   bool can_access_peer(int device, int peer) { return b_->can_access_peer(device, peer); }
   // Whether s is being captured into a graph now (false on backends without capture).
@@ -90,10 +95,24 @@ class driver {
   // mode (PyTorch does the same around its cudaMalloc), so the allocator's own driver work never
   // invalidates a capture on this thread or another. Two thread-local driver calls (~0.1 us)
   // around a 1-600 us call; nothing without the capture capability.
+  // Adds the wall time of a call to a counter.
+  struct timed {
+    std::atomic<std::uint64_t>& ns;
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    explicit timed(std::atomic<std::uint64_t>& c) : ns(c) {}
+    ~timed() {
+      const auto d = std::chrono::steady_clock::now() - t0;
+      ns.fetch_add(static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count()),
+                   std::memory_order_relaxed);
+    }
+    timed(const timed&) = delete;
+    timed& operator=(const timed&) = delete;
+  };
   struct relaxed {
     driver& d;
     capture_mode old = capture_mode::relaxed;
-    explicit relaxed(driver& x) : d(x) {
+    timed t;
+    relaxed(driver& x, std::atomic<std::uint64_t>& ns) : d(x), t(ns) {
       if (d.capture_) old = d.b_->exchange_capture_mode(capture_mode::relaxed);
     }
     ~relaxed() {
@@ -106,7 +125,7 @@ class driver {
   struct counters {
     std::atomic<std::uint64_t> reserve{0}, free_reservation{0}, create{0}, release{0}, map{0}, unmap{0},
         set_access{0}, export_handle{0}, import_handle{0}, granularity{0}, query{0}, mem_info{0},
-        record_fence{0}, fence_query{0}, wait_fence{0}, failures{0};
+        record_fence{0}, fence_query{0}, wait_fence{0}, failures{0}, ns{0}, fence_ns{0};
   };
   void bump(std::atomic<std::uint64_t>& c) noexcept;
   void failed() noexcept;

@@ -125,7 +125,11 @@ class Pure(unittest.TestCase):
     def test_markdown_tables_are_rectangular(self):
         runs = [run_entry("llama", "caching", [1.0], phase_peaks={"train": {"held": 1 << 30}}, peak_at="train 3 (8x2048)"),
                 run_entry("llama", "vmmalloc", [1.5], vmm_at_peak={"at": "train 4 (4x2048)", "peak_physical": 5 << 30,
-                                                                 "requested": 4 << 30, "deferred": 0, "live": 12}),
+                                                                 "requested": 4 << 30, "deferred": 0, "live": 12},
+                          vmm_stats_end={"driver_calls": 40, "creates": 10, "maps": 12, "unmaps": 2, "set_access_calls": 12,
+                                         "releases": 4, "driver_ns": 2500000, "record_fences": 3, "fence_queries": 9,
+                                         "fence_waits": 1, "fence_ns": 120000, "chunks_retired": 2},
+                          train_s=1.25, generate_s=0.5),
                 {"model": "llama", "allocator": "async", "status": "error", "error": "RuntimeError: a | b\nsecond", "wall_s": 3.0},
                 {"model": "llama", "allocator": "expandable", "status": "skipped", "reason": "time budget"}]
         comps = rm.compare_runs(runs, 1e-3)
@@ -133,7 +137,7 @@ class Pure(unittest.TestCase):
                   "runs": runs, "comparisons": comps, "failures": ["x"], "notes": [], "seconds": 5, "passed": False}
         md = rm.markdown(result)
         ts = tables(md)
-        self.assertEqual(len(ts), 3)  # main, phases, vmmalloc at its peak
+        self.assertEqual(len(ts), 4)  # main, phases, vmmalloc at its peak, vmmalloc's driver time
         for t in ts:
             self.assertTrue(all(len(row) == len(t[0]) for row in t), t)
         main = {row[1]: row for row in ts[0][1:]}
@@ -144,6 +148,7 @@ class Pure(unittest.TestCase):
         self.assertTrue(main["cudaMallocAsync"][2].startswith("error: RuntimeError: a / b second"))
         self.assertEqual(main["expandable segments"][2], "skipped: time budget")
         self.assertEqual(ts[2][1][:3], ["llama", "train 4 (4x2048)", "5.00"])
+        self.assertEqual(ts[3][1], ["llama", "40", "10", "12", "2", "12", "4", "2.5", "3 / 9 / 1", "0.1", "2", "1.75"])
         self.assertIn("VMMALLOC_RELEASE_THRESHOLD=0", md)
         self.assertIn("FAILED", md)
 

@@ -165,7 +165,12 @@ class vmmalloc_peer final : public peer {
                {"calls_failures", double(s.calls.failures)},
                {"grows", double(s.grows)},
                {"stitched", double(s.stitched)},
-               {"chunk_releases", double(s.chunk_releases)}};
+               {"chunk_releases", double(s.chunk_releases)},
+               {"chunks_retired", double(s.chunks_retired)},
+               {"calls_record_fence", double(s.calls.record_fence)},
+               {"calls_wait_fence", double(s.calls.wait_fence)},
+               {"driver_ms", double(s.calls.ns) / 1e6},
+               {"fence_ms", double(s.calls.fence_ns) / 1e6}};
 #ifdef VMM_REPLAY_CUDA
     if (device_ && dev_.valid) r.extra.push_back({"device_used_peak_sampled_bytes", double(dev_.peak)});
 #endif

@@ -68,13 +68,25 @@ void arena::idle_put(mem_handle h, std::size_t size) {
 }
 
 bool arena::note_release_of_aliased(mem_handle h, std::size_t size) {
+  const std::uint64_t id = ++release_ids_;
+  bool any = false;
   for (auto& r : retiring_)
     if (r.h == h && !r.released) {
-      r.released = true;  // the memory stays until the retired range is unmapped: still counted
-      retired_held_ += size;
-      return true;
+      r.released = id;  // the memory stays until its last retired range is unmapped: still counted
+      any = true;
     }
-  return false;
+  if (any) retired_held_ += size;
+  return any;
+}
+
+void arena::drop_retired(std::size_t i) {
+  const retired r = retiring_[i];
+  retiring_[i] = retiring_.back();
+  retiring_.pop_back();
+  give_hole(r.va, r.size);
+  if (r.released && std::none_of(retiring_.begin(), retiring_.end(),
+                                 [&](const retired& x) { return x.released == r.released; }))
+    retired_held_ -= r.size;
 }
 
 void arena::release_or_park(mem_handle h, std::size_t size) {
@@ -143,9 +155,9 @@ void arena::give_hole(std::uintptr_t va, std::size_t size) {
   holes_.emplace(va, size);
 }
 
-bool arena::aliased(mem_handle h) const {
+bool arena::aliased(mem_handle h, bool fenced_only) const {
   for (const auto& r : retiring_)
-    if (r.h == h && !r.released) return true;
+    if (r.h == h && !r.released && (r.fence || !fenced_only)) return true;
   return false;
 }
 
@@ -154,9 +166,12 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
   assert(!pending_);  // a deferred growth is taken before the next mapping
   (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
-  (void)poll_retiring(false);  // retired ranges whose stream caught up give their VA back
-  // An exportable policy maps under the lock: its IPC kind may fall back on a create.
-  const bool defer = defer_ && !whole_chunks_;
+  const bool defer = deferring();
+  // Retired ranges whose stream caught up (and chunks evicted for this growth) give their VA back
+  // first, as holes the growth may take. Deferred, that is a round of its own: a growth with
+  // only unmaps runs outside the lock, then the request is tried again.
+  if (!defer) (void)poll_retiring(false);
+  else if (park_unmaps()) return {0, {errc::other, 0, "unmaps deferred to run outside the lock", "map"}};
   auto hole_for = [&](std::size_t n) -> std::uintptr_t {
     if (at) return hole_at(at, n) ? at : 0;
     for (auto& [hs, hn] : holes_)
@@ -188,7 +203,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     } else if (mapped) {
       // Every idle handle is larger than what is left. A retired one holds its memory until its
       // old range goes: map the smallest such whole (the rest of the range is free span memory).
-      while (it != idle_.end() && !(aliased(it->second) && hole_for(total + it->first))) ++it;
+      while (it != idle_.end() && !(aliased(it->second, true) && hole_for(total + it->first))) ++it;
     } else {
       it = idle_.end();
     }
@@ -307,6 +322,18 @@ void arena::install(std::uintptr_t va, const std::vector<growth::piece>& pieces,
   note_peaks();
 }
 
+bool arena::park_unmaps() {
+  growth g;
+  for (auto& r : retiring_)
+    if (!r.unmapping && (!r.fence || drv_.fence_done(r.fence))) {
+      r.unmapping = true;
+      g.unmaps.push_back({r.va, r.size, r.fence, false});
+    }
+  if (g.unmaps.empty()) return false;
+  pending_.emplace(std::move(g));
+  return true;
+}
+
 arena::growth arena::take_growth() {
   assert(pending_);
   growth g = std::move(*pending_);
@@ -315,6 +342,12 @@ arena::growth arena::take_growth() {
 }
 
 void arena::run_growth(growth& g) {
+  // Retired ranges first: their unmaps succeed or fail on their own, whatever the growth does.
+  for (auto& u : g.unmaps) {
+    u.done = vm::driver::twice([&] { return drv_.unmap(u.va, u.size); }).ok();
+    if (u.done && u.fence) drv_.drop_fence(u.fence);
+  }
+  if (g.pieces.empty()) return;  // unmaps only
   auto release = [&](const growth::piece& p) {
     if (!vm::driver::twice([&] { return drv_.release(p.h); }).ok()) g.strays.add_handle(p.h, p.size);
   };
@@ -362,7 +395,24 @@ void arena::run_growth(growth& g) {
   g.st = st;
 }
 
+void arena::finish_unmaps(growth& g) {
+  for (const auto& u : g.unmaps)
+    for (std::size_t i = 0; i < retiring_.size(); ++i) {
+      retired& r = retiring_[i];
+      if (r.va != u.va) continue;
+      r.unmapping = false;
+      if (u.done) drop_retired(i);
+      break;
+    }
+  g.unmaps.clear();
+}
+
 status arena::finish_growth(growth& g) {
+  finish_unmaps(g);
+  if (g.pieces.empty()) {  // unmaps only: nothing was taken
+    evicted_ = true;
+    return {};
+  }
   inflight_.erase(g.va);
   inflight_bytes_ -= g.size;
   for (const auto& p : g.pieces)
@@ -464,12 +514,12 @@ status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
 
 status arena::release_idle(std::size_t keep, bool keep_retired) {
   status parked = retry_strays();
-  (void)poll_retiring(false);
+  if (!deferring()) (void)poll_retiring(false);  // else the deferred growth unmaps them
   // Largest first: fewest driver calls for the bytes returned.
   auto it = idle_.end();
   while (idle_bytes_ > keep && it != idle_.begin()) {
     --it;
-    if (keep_retired && aliased(it->second)) continue;
+    if (keep_retired && aliased(it->second, true)) continue;
     if (status st = drv_.release(it->second); !st.ok()) return st;
     (void)note_release_of_aliased(it->second, it->first);
     idle_bytes_ -= it->first;
@@ -500,7 +550,13 @@ bool arena::take_back(mem_handle h, std::size_t size) {
   return true;
 }
 
-void arena::retire_chunk(std::uint32_t id, fence_t fence) {
+status arena::evict_chunk(std::uint32_t id, bool keep_handle) {
+  if (!keep_handle || !deferring()) return unmap_chunk(id, keep_handle);
+  retire_chunk(id, 0, false);
+  return {};
+}
+
+void arena::retire_chunk(std::uint32_t id, fence_t fence, bool count) {
   chunk& c = chunks_[id];
   assert(c.size && c.used == 0);
   lru_remove(id);
@@ -509,8 +565,8 @@ void arena::retire_chunk(std::uint32_t id, fence_t fence) {
   count_mapped(c, false);
   if (c.compressed) compressed_bytes_ -= c.size;
   --chunk_count_;
-  retiring_.push_back({c.va, c.size, c.handle, fence, false});
-  ++retired_count_;
+  retiring_.push_back({c.va, c.size, c.handle, fence});
+  if (count) ++retired_count_;
   idle_put(c.handle, c.size);
   c = chunk{};
   free_slots_.push_back(id);
@@ -520,6 +576,10 @@ status arena::poll_retiring(bool wait) {
   status first{};
   for (std::size_t i = 0; i < retiring_.size();) {
     retired& r = retiring_[i];
+    if (r.unmapping) {  // a growth in flight unmaps it
+      ++i;
+      continue;
+    }
     if (r.fence && !drv_.fence_done(r.fence)) {
       if (!wait) {
         ++i;
@@ -537,10 +597,7 @@ status arena::poll_retiring(bool wait) {
       continue;
     }
     if (r.fence) drv_.drop_fence(r.fence);
-    give_hole(r.va, r.size);
-    if (r.released) retired_held_ -= r.size;
-    retiring_[i] = retiring_.back();
-    retiring_.pop_back();
+    drop_retired(i);
   }
   return first;
 }
@@ -629,11 +686,13 @@ std::string arena::check() const {
   std::map<std::uintptr_t, std::size_t> ranges(holes_.begin(), holes_.end());
   for (const auto& e : strays_.entries())
     if (e.mapped && !ranges.emplace(e.va, e.size).second) return "stray mapping overlaps a hole";
-  std::size_t held = 0;
+  std::map<std::uint64_t, std::size_t> releases;  // one release frees its handle's bytes once
   for (const auto& r : retiring_) {
     if (!ranges.emplace(r.va, r.size).second) return "retired range overlaps a hole, chunk or stray";
-    if (r.released) held += r.size;
+    if (r.released) releases[r.released] = r.size;
   }
+  std::size_t held = 0;
+  for (const auto& [id, n] : releases) held += n;
   if (held != retired_held_) return "retired held byte count is off";
   std::size_t inflight = 0;
   for (const auto& [va, n] : inflight_) {

@@ -136,11 +136,30 @@ class arena {
     vm::strays strays;                // what a refused rollback left (moved to the arena's)
     std::vector<vm::mapping_txn::lent> returned;  // idle handles a rollback gave back
     status st;                        // run_growth's result
+    // Retired ranges whose fences completed (or with none: evicted for stitching), unmapped by
+    // run_growth in a round before the growth that needs their VA (pieces empty). Their VA
+    // returns in finish_growth; one the driver refused stays retired for the next poll.
+    struct unmap {
+      std::uintptr_t va = 0;
+      std::size_t size = 0;
+      fence_t fence = 0;
+      bool done = false;
+    };
+    std::vector<unmap> unmaps;
     // The requesting heap's own: the stream and whether the growth gave memory back first.
     stream_t stream = nullptr;
     bool pressed = false;
   };
-  void defer_growth(bool on) { defer_ = on; }
+  // defer_growth(false) ends a try: a retry's eviction mark goes with it.
+  void defer_growth(bool on) {
+    defer_ = on;
+    if (!on) evicted_ = false;
+  }
+  // After a round of unmaps alone: the try that parked it chose which chunks to evict; the retry
+  // places the growth without evicting again (the same choice the locked path makes in one try).
+  bool evicted_for_retry() const { return evicted_; }
+  // An exportable policy maps under the lock: its IPC kind may fall back on a create.
+  bool deferring() const { return defer_ && !whole_chunks_; }
   growth* pending_growth() { return pending_ ? &*pending_ : nullptr; }
   growth take_growth();
   // Without the front end's lock: creates, maps and grants access, all or nothing (g.st).
@@ -159,7 +178,11 @@ class arena {
   // once, to be mapped elsewhere for work later on that same stream (stream order keeps the old
   // work first); its VA stays mapped, out of the holes, until `fence` (recorded on that stream,
   // owned by the arena now) completes. No driver call but the fence; the unmap comes later.
-  void retire_chunk(std::uint32_t id, fence_t fence);
+  void retire_chunk(std::uint32_t id, fence_t fence, bool count = true);
+  // A free chunk whose handle a growth is about to map elsewhere (stitching): unmap_chunk, or,
+  // while a growth is being deferred, retired with no fence, so that growth unmaps the old range
+  // with its own driver calls outside the lock (growth::unmaps). No stream uses it.
+  status evict_chunk(std::uint32_t id, bool keep_handle);
   // Unmaps retired ranges whose fences completed (wait: waits for them first). Their VA returns to
   // the holes. Called before mapping, by release_idle, trim and teardown.
   status poll_retiring(bool wait);
@@ -241,6 +264,8 @@ class arena {
   // What memory_limit is checked against: everything held plus what growths in flight will create.
   std::size_t held_for_limit() const { return physical_now() + (inflight_bytes_ - inflight_lent_); }
   void install(std::uintptr_t va, const std::vector<growth::piece>& pieces, std::uint32_t owner, std::uint16_t heap);
+  void finish_unmaps(growth& g);  // the VA of the retired ranges run_growth unmapped comes back
+  bool park_unmaps();             // a growth of the ready retired ranges' unmaps alone
 
   std::unique_ptr<backend_iface> b_;
   vm::driver drv_;
@@ -264,12 +289,21 @@ class arena {
     std::size_t size;
     mem_handle h;
     fence_t fence;
-    bool released;  // the handle was released meanwhile: its memory returns with this unmap
+    // The release of the handle meanwhile (0: none): its memory returns with the unmap of the
+    // last range it marks. One handle may be mapped by several retired ranges (retired, mapped
+    // elsewhere, retired again); a release marks them all with one id, and the driver may hand
+    // the same handle value out again later, so ids, not handles, say what was freed together.
+    std::uint64_t released = 0;
+    bool unmapping = false;  // a growth in flight unmaps it (see growth::unmaps)
   };
   std::vector<retired> retiring_;
-  std::size_t retired_held_ = 0;  // bytes of released handles still mapped by a retired range
+  std::size_t retired_held_ = 0;  // bytes of released handles still mapped by retired ranges
+  std::uint64_t release_ids_ = 0;
+  void drop_retired(std::size_t i);  // its range was unmapped: VA back, held bytes settled
   bool note_release_of_aliased(mem_handle h, std::size_t size);
-  bool aliased(mem_handle h) const;
+  // Whether h is still mapped by a retired range (fenced_only: one that waits for a stream; an
+  // evicted chunk's range, retired with no fence, is unmapped by the growth in flight).
+  bool aliased(mem_handle h, bool fenced_only = false) const;
   struct lru_list {  // per heap: its free chunks, and every byte it has mapped
     std::uint32_t head = no_chunk, tail = no_chunk;
     std::size_t bytes = 0, mapped = 0;
@@ -281,6 +315,7 @@ class arena {
   // (its VA is no hole and no chunk). All its bytes count against the memory limit; as physical
   // memory (stats, peaks) only the idle handles it took, until it is installed.
   bool defer_ = false;
+  bool evicted_ = false;  // see evicted_for_retry()
   std::optional<growth> pending_;
   std::map<std::uintptr_t, std::size_t> inflight_;
   std::size_t inflight_bytes_ = 0, inflight_lent_ = 0;

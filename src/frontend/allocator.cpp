@@ -104,22 +104,24 @@ namespace {
 // microseconds to milliseconds) hold up no other thread's allocation from mapped memory. Then it
 // is installed and adopted under lk, and the request tried again. A growth the driver refused
 // is the request's failure, as under the lock; out of memory instead tries again under lk, with
-// the heap's fallbacks (smaller growth, eviction, reclaim) as before. So does a third growth
-// (other threads took the memory of two first).
+// the heap's fallbacks (smaller growth, eviction, reclaim) as before. A round may be unmaps
+// alone (retired ranges, chunks evicted for stitching: their VA back before the growth is
+// placed). After kRounds rounds (other threads took the memory first) the try runs under lk.
+constexpr int kRounds = 3;
 status run_parked_growth(allocator_impl& m, std::unique_lock<std::mutex>& lk) {
   arena::growth g = m.ar->take_growth();
   lk.unlock();
   m.ar->run_growth(g);
   lk.lock();
   status st = m.ar->finish_growth(g);
-  if (st.ok()) m.hp->adopt_growth(g);
+  if (st.ok() && g.size) m.hp->adopt_growth(g);
   return st;
 }
 
 template <class F>
 result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& attempt) {
   int deferred = 0;
-  for (bool defer = m.ar->opts().grow_outside_lock;; defer = defer && deferred < 2) {
+  for (bool defer = m.ar->opts().grow_outside_lock;; defer = defer && deferred < kRounds) {
     result<std::uintptr_t> r = attempt(defer);
     if (!m.ar->pending_growth()) return r;
     ++deferred;
@@ -151,7 +153,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
           // the locked path below tries again and reports what is wrong.
           std::unique_lock g(m.mu);
           for (int deferred = 0;; ++deferred) {
-            m.ar->defer_growth(deferred < 2 && m.ar->opts().grow_outside_lock);
+            m.ar->defer_growth(deferred < kRounds && m.ar->opts().grow_outside_lock);
             got = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
             m.ar->defer_growth(false);
             if (!m.ar->pending_growth()) break;

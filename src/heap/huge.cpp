@@ -22,7 +22,7 @@ status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* reti
       if (!f.ok()) return f.st;
       a.retire_chunk(id, f.value);
       ++st.chunks_retired;
-    } else if (status u = a.unmap_chunk(id, keep_handle); !u.ok()) {
+    } else if (status u = a.evict_chunk(id, keep_handle); !u.ok()) {
       return u;
     }
     uncache_huge(b);

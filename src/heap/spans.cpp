@@ -162,7 +162,7 @@ void heap::impl::grown(bool pressed) {
 
 status heap::impl::prepare_growth(std::size_t size, stream_t x, bool& pressed) {
   pressed = relieve_pressure(size, x);
-  if (!a.opts().stitch_on_grow || pressed) return {};
+  if (!a.opts().stitch_on_grow || pressed || a.evicted_for_retry()) return {};
   return evict_free_chunks(size, true, false, &x);  // reuse wholly free chunks' physical memory
 }
 
@@ -251,7 +251,7 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
       }
       if (b == last) break;
     }
-    status u = a.unmap_chunk(id, keep_handle);
+    status u = a.evict_chunk(id, keep_handle);
     if (!u.ok()) return u;
   }
   // Cut [cs, ce) out of the span: split the edges, drop the middle, fix the span ends.

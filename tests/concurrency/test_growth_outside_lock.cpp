@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Growth's driver calls run outside the allocator's lock: while one thread's growth sits in
-// cuMemCreate or cuMemMap (here: a backend that blocks there until the test lets it go), other
+// cuMemCreate, cuMemMap or the cuMemUnmap of a range it stitches from (here: a backend that
+// blocks there until the test lets it go), other
 // threads allocate and free from mapped memory, read stats and check the invariants. The memory
 // limit counts the growth in flight, so two growths at once cannot pass it together. Host
 // backend; CI runs it in the plain, ASan and TSan trees.
@@ -10,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <string>
@@ -28,7 +30,7 @@ using namespace std::chrono_literals;
 // Blocks the first create (or map) after arm() until open(): a driver call that takes long.
 class gate_backend final : public forwarding_backend {
  public:
-  enum which { none, create_call, map_call };
+  enum which { none, create_call, map_call, unmap_call };
   using forwarding_backend::forwarding_backend;
 
   result<mem_handle> create(std::size_t n, const chunk_props& p) override {
@@ -38,6 +40,10 @@ class gate_backend final : public forwarding_backend {
   status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) override {
     hold(map_call);
     return forwarding_backend::map(va, n, h, off);
+  }
+  status unmap(std::uintptr_t va, std::size_t n) override {
+    hold(unmap_call);
+    return forwarding_backend::unmap(va, n);
   }
 
   void arm(which w) { armed_.store(w); }
@@ -81,12 +87,14 @@ struct fixture {
 
 // While `grower` is blocked in the gated call, `others` must finish: it needs the allocator's
 // lock only for memory that is already mapped.
-void others_run_while_growth_blocks(fixture& f, gate_backend::which w, std::size_t grow_bytes) {
+void others_run_while_growth_blocks(fixture& f, gate_backend::which w, std::size_t grow_bytes,
+                                    const std::function<void()>& before_growth = {}) {
   allocator& a = *f.a;
   // Mapped, free memory for the other threads: a few MiB allocated and freed.
   std::vector<void*> warm;
   for (int i = 0; i < 8; ++i) warm.push_back(a.allocate(1 * MiB));
   for (void* p : warm) a.deallocate(p);
+  if (before_growth) before_growth();
 
   f.gate->arm(w);
   auto grower = std::async(std::launch::async, [&] { return a.try_allocate(grow_bytes); });
@@ -140,6 +148,33 @@ TEST_CASE("other threads allocate while a growth waits in create") {
 TEST_CASE("other threads allocate while a growth waits in map") {
   fixture f;
   others_run_while_growth_blocks(f, gate_backend::map_call, 512 * MiB);
+}
+
+TEST_CASE("other threads allocate while a growth unmaps retired ranges") {
+  // Chunks freed on S1 while S1 runs behind are retired: their handles serve S1's next request,
+  // their old VA stays mapped until S1's fence completes. The next growth unmaps those ranges
+  // with its own driver calls, outside the lock (they used to be unmapped under it).
+  options o;
+  o.max_growth = 2 * MiB;  // chunks of 2 MiB: the 6 MiB request is stitched from freed ones
+  fixture f(o);
+  allocator& a = *f.a;
+  auto& hb = *backend_cast<host_backend>(f.gate->inner());
+  const stream_t s1 = reinterpret_cast<stream_t>(std::uintptr_t{1});
+  std::vector<void*> v;
+  for (int i = 0; i < 6; ++i) v.push_back(a.allocate(2 * MiB, 0, s1));
+  void* keep = a.allocate(2 * MiB, 0, s1);
+  for (int i = 0; i < 6; i += 2) a.deallocate(v[i], s1);  // three free chunks, not adjacent
+  hb.hold_stream(s1);
+  void* big = a.allocate(6 * MiB, 0, s1);
+  REQUIRE(a.stats().retiring > 0);
+  others_run_while_growth_blocks(f, gate_backend::unmap_call, 96 * MiB, [&] { hb.complete_stream(s1); });
+  CHECK(a.stats().retiring == 0);  // the growth unmapped them, and their VA is a hole again
+  a.deallocate(big, s1);
+  a.deallocate(keep, s1);
+  for (int i = 1; i < 6; i += 2) a.deallocate(v[i], s1);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(a.check() == "");
 }
 
 TEST_CASE("the memory limit counts a growth in flight") {

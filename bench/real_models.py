@@ -389,16 +389,18 @@ def markdown(result):
         lines += ["", "Where vmmalloc's own time went (stats(0) at the end of the process: driver calls and "
                       "their wall time; fences: recording, querying and waiting for stream fences):", "",
                   "| model | driver calls | creates | maps | unmaps | set_access | releases | driver ms | "
-                  "fences recorded / queried / waited | fence ms | chunks retired | train + generate s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+                  "fences recorded / queried / waited | fence ms | chunks retired | train + generate s | "
+                  "train step: median driver + fence ms | median step ms without them |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
         for r in vt:
             e = r["vmm_stats_end"]
             busy = (r.get("train_s") or 0.0) + (r.get("generate_s") or 0.0)
-            lines.append("| %s | %d | %d | %d | %d | %d | %d | %.1f | %d / %d / %d | %.1f | %d | %.2f |" % (
+            ms = lambda k: "%.2f" % (r[k] * 1e3) if r.get(k) is not None else "-"
+            lines.append("| %s | %d | %d | %d | %d | %d | %d | %.1f | %d / %d / %d | %.1f | %d | %.2f | %s | %s |" % (
                 r["model"], e.get("driver_calls", 0), e.get("creates", 0), e.get("maps", 0), e.get("unmaps", 0),
                 e.get("set_access_calls", 0), e.get("releases", 0), e["driver_ns"] / 1e6, e.get("record_fences", 0),
                 e.get("fence_queries", 0), e.get("fence_waits", 0), e.get("fence_ns", 0) / 1e6,
-                e.get("chunks_retired", 0), busy))
+                e.get("chunks_retired", 0), busy, ms("median_step_driver_s"), ms("median_step_without_driver_s")))
     tr = result.get("trace")
     if tr:
         lines += ["", "Trace of the llama run under vmmalloc: %s (%s)." % (tr.get("path", "-"), tr.get("status", ""))]
@@ -719,8 +721,14 @@ def run_workload(a, res, save, torch, transformers, t0):
         num_labels = getattr(cfg, "num_labels", 2)
         steps, losses = [], []
         tt = time.perf_counter()
+        # vmmalloc's driver and fence time in each step, read outside the timed region.
+        def vmm_driver_ns():
+            s = vt.stats(0) or {}
+            return s.get("driver_ns", 0) + s.get("fence_ns", 0)
+        driver_ns = vmm_driver_ns if vt else None
         for i, shape in enumerate(spec["train"]):
             batch = {k: v.to(dev) for k, v in make_batch(torch, family, shape, vocab, num_labels, g).items()}
+            d0 = driver_ns() if driver_ns else None
             s0 = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(**batch)
@@ -733,10 +741,15 @@ def run_workload(a, res, save, torch, transformers, t0):
             del out, loss, batch
             losses.append(lv)
             steps.append({"shape": list(shape), "loss": lv, "seconds": secs})
+            if driver_ns:
+                steps[-1]["vmm_driver_s"] = (driver_ns() - d0) / 1e9
             sample("train", step_label("train", i, shape))
         res["train_s"] = time.perf_counter() - tt
         res["steps"], res["losses"] = steps, losses
         res["median_step_s"] = statistics.median(s["seconds"] for s in steps) if steps else None
+        if driver_ns and steps:
+            res["median_step_driver_s"] = statistics.median(s["vmm_driver_s"] for s in steps)
+            res["median_step_without_driver_s"] = statistics.median(s["seconds"] - s["vmm_driver_s"] for s in steps)
 
         # ---- generate: greedy, fixed lengths (min_new_tokens), no padding
         del opt

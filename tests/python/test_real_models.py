@@ -129,7 +129,7 @@ class Pure(unittest.TestCase):
                           vmm_stats_end={"driver_calls": 40, "creates": 10, "maps": 12, "unmaps": 2, "set_access_calls": 12,
                                          "releases": 4, "driver_ns": 2500000, "record_fences": 3, "fence_queries": 9,
                                          "fence_waits": 1, "fence_ns": 120000, "chunks_retired": 2},
-                          train_s=1.25, generate_s=0.5),
+                          train_s=1.25, generate_s=0.5, median_step_driver_s=0.0031),
                 {"model": "llama", "allocator": "async", "status": "error", "error": "RuntimeError: a | b\nsecond", "wall_s": 3.0},
                 {"model": "llama", "allocator": "expandable", "status": "skipped", "reason": "time budget"}]
         comps = rm.compare_runs(runs, 1e-3)
@@ -148,7 +148,8 @@ class Pure(unittest.TestCase):
         self.assertTrue(main["cudaMallocAsync"][2].startswith("error: RuntimeError: a / b second"))
         self.assertEqual(main["expandable segments"][2], "skipped: time budget")
         self.assertEqual(ts[2][1][:3], ["llama", "train 4 (4x2048)", "5.00"])
-        self.assertEqual(ts[3][1], ["llama", "40", "10", "12", "2", "12", "4", "2.5", "3 / 9 / 1", "0.1", "2", "1.75"])
+        self.assertEqual(ts[3][1], ["llama", "40", "10", "12", "2", "12", "4", "2.5", "3 / 9 / 1", "0.1", "2", "1.75",
+                                    "3.10", "-"])
         self.assertIn("VMMALLOC_RELEASE_THRESHOLD=0", md)
         self.assertIn("FAILED", md)
 

@@ -640,6 +640,8 @@ TEST_CASE("C API: create, malloc, free, stats, check, trim, errors") {
   CHECK(vmm_get_stats(a, &s) == VMM_SUCCESS);
   CHECK(s.requested == 6000);
   CHECK(s.live == 2);
+  CHECK(s.driver_calls > 0);
+  CHECK(s.driver_ns > 0);  // the growth's calls, timed
   CHECK(vmm_check(a) == VMM_SUCCESS);
   CHECK(vmm_free(a, p) == VMM_SUCCESS);
   CHECK(vmm_free(a, p) == VMM_ERROR_INVALID_POINTER);

@@ -118,8 +118,16 @@ status run_parked_growth(allocator_impl& m, std::unique_lock<std::mutex>& lk) {
   return st;
 }
 
+// Ends a request's rounds however they end: defer_growth(false) drops the eviction mark of an
+// unmap round (arena::evicted_for_retry), which is only for the retry of the same request.
+struct rounds_end {
+  arena& a;
+  ~rounds_end() { a.defer_growth(false); }
+};
+
 template <class F>
 result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& attempt) {
+  rounds_end end{*m.ar};
   int deferred = 0;
   for (bool defer = m.ar->opts().grow_outside_lock;; defer = defer && deferred < kRounds) {
     result<std::uintptr_t> r = attempt(defer);
@@ -152,6 +160,7 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
           // A new slab's growth runs outside the lock too (see allocate_growing). If it fails,
           // the locked path below tries again and reports what is wrong.
           std::unique_lock g(m.mu);
+          rounds_end end{*m.ar};
           for (int deferred = 0;; ++deferred) {
             m.ar->defer_growth(deferred < kRounds && m.ar->opts().grow_outside_lock);
             got = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);

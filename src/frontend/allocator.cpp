@@ -173,11 +173,11 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
           b.e[k].p = ps[k];
           m.hp->small_slot(ps[k], b.e[k].r);
         }
-        b.n.set(static_cast<std::uint32_t>(got));
+        b.n.set(got);
         b.stream = s;
         c.refilled.add(got);
       }
-      if (const std::uint32_t n = b.n.get(); n && b.stream == s) {  // the fast path: pop, mark the slot the user's
+      if (const std::uint64_t n = b.n.get(); n && b.stream == s) {  // the fast path: pop, mark the slot the user's
         auto& e = b.e[n - 1];
         c.last = &e;
         b.n.set(n - 1);
@@ -326,7 +326,7 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
       c.req_delta.add(-std::uint64_t{req});
       if (m.trace) [[unlikely]] m.trace->event('f', u, req, s);
       r.req->store(0, std::memory_order_relaxed);
-      const std::uint32_t n = b.n.get();
+      const std::uint64_t n = b.n.get();
       b.e[n] = {u, r};
       b.n.set(n + 1);
       b.stream = s;

@@ -117,7 +117,7 @@ std::string allocator::check() const {
     req += c->req_delta.get();
     if (is_own_thread_cache(p_->id, c.get())) {
       for (auto& b : c->bins)
-        for (std::uint32_t k = 0; k < b.n.get(); ++k)
+        for (std::uint64_t k = 0; k < b.n.get(); ++k)
           if (b.e[k].r.state->load(std::memory_order_relaxed) != b.e[k].r.word(2) || b.e[k].r.size != b.slot_size)
             return "a thread-cached slot is not in state 2 of its class";
       if (c->large.cached != (c->large_cached.get() != 0) || (c->large.cached && c->large_cached.get() != c->large.r.size))

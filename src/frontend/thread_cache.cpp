@@ -87,8 +87,8 @@ void allocator::impl::flush_cache(tcache& c, bool all) {
   if (all) return_large(c);
   std::vector<std::uintptr_t> ps;
   for (auto& b : c.bins) {
-    const std::uint32_t n = b.n.get(), keep = all ? 0 : n / 2;
-    for (std::uint32_t k = keep; k < n; ++k) ps.push_back(b.e[k].p);
+    const std::uint64_t n = b.n.get(), keep = all ? 0 : n / 2;
+    for (std::uint64_t k = keep; k < n; ++k) ps.push_back(b.e[k].p);
     c.flushed.add(n - keep);
     b.n.set(keep);
   }

@@ -19,17 +19,11 @@ namespace vmm {
 // load + store, no locked instruction on the hot path.
 struct owner_counter {
   std::atomic<std::uint64_t> v{0};
+  owner_counter() = default;
+  owner_counter(const owner_counter& o) : v(o.get()) {}  // vector<bin>::resize
   void add(std::uint64_t d) { v.store(v.load(std::memory_order_relaxed) + d, std::memory_order_relaxed); }
+  void set(std::uint64_t x) { v.store(x, std::memory_order_relaxed); }
   std::uint64_t get() const { return v.load(std::memory_order_relaxed); }
-};
-
-// A count written only by the owning thread and read by stats() from any thread (relaxed).
-struct owner_count {
-  std::atomic<std::uint32_t> v{0};
-  owner_count() = default;
-  owner_count(const owner_count& o) : v(o.get()) {}  // vector<bin>::resize
-  std::uint32_t get() const { return v.load(std::memory_order_relaxed); }
-  void set(std::uint32_t x) { v.store(x, std::memory_order_relaxed); }
 };
 
 // One per (thread, allocator). Bins hold slot addresses of one stream each. What a cache holds
@@ -42,7 +36,7 @@ struct tcache {
   };
   struct bin {
     stream_t stream = nullptr;
-    owner_count n;
+    owner_counter n;
     std::uint32_t slot_size = 0;  // set before the cache is registered, then constant
     std::vector<entry> e;
   };

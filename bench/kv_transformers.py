@@ -36,6 +36,11 @@ Grids (--quick, --full, --long, or your own with --prompts/--new-tokens/--batche
 
 Output: a markdown table on stdout, and kv_transformers.json + kv_transformers.md in --out
 (default $VMM_OUT when set, else ./kv-transformers-out).
+
+One run at 16,384 new tokens takes 4-6 minutes, so a grid's caches can run in parallel processes,
+one per GPU of a machine, each with --save-tokens and an --out of its own; --merge DIR... then
+joins their rows into one table and compares each cache's tokens with DynamicCache's run of the
+same point (saved as tokens-<cache>-<prompt>-<new>-<batch>.pt), with the same exit rule.
 Exit 0: passed. 1: a VmmCache mismatch or error (or a StaticCache one with --strict-static).
 77: no torch, transformers or CUDA device.
 
@@ -61,6 +66,11 @@ CACHES = ("dynamic", "vmm", "static")  # run in this order: StaticCache is the o
 FULL_POINTS = [(128, 1024, 1), (128, 1024, 8), (4096, 1024, 1), (4096, 1024, 8), (4096, 16384, 8),
                (128, 16384, 1)]
 LONG_POINTS = [(4096, 16384, 8)]
+WARMUP = (16, 4, 2)  # prompt, new tokens, batch of the untimed first run of each cache
+
+
+def token_file(kind, pl, nt, batch):
+    return "tokens-%s-%d-%d-%d.pt" % (kind, pl, nt, batch)
 
 
 def ints(s):
@@ -94,7 +104,12 @@ def parse():
     p.add_argument("--static-compile", action="store_true", help="let generate() compile for StaticCache")
     p.add_argument("--strict-static", action="store_true", help="StaticCache token differences fail the run")
     p.add_argument("--out", default=os.environ.get("VMM_OUT") or "kv-transformers-out")
+    p.add_argument("--save-tokens", action="store_true", help="write each run's generated tokens to --out")
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="join the results of runs made with --save-tokens (one process each) and compare tokens")
     a = p.parse_args()
+    if a.merge:
+        return a
     if a.caches is None:
         a.caches = "dynamic,vmm" if a.long else ",".join(CACHES)
     caches = [c.strip() for c in a.caches.split(",") if c.strip()]
@@ -125,6 +140,8 @@ def parse():
 
 def main():
     a = parse()
+    if a.merge:
+        return merge(a)
     try:
         import torch
         import transformers
@@ -244,12 +261,15 @@ def main():
         tokens = out[:, pl:].cpu()
         if tokens.shape != (batch, nt):
             raise RuntimeError("%s generated %s tokens, not %s" % (kind, tuple(tokens.shape), (batch, nt)))
+        if a.save_tokens and (pl, nt, batch) != WARMUP:
+            os.makedirs(a.out, exist_ok=True)
+            torch.save(tokens, os.path.join(a.out, token_file(kind, pl, nt, batch)))
         del cache, out
         return r, tokens
 
     # Warm-up: kernels, cuBLAS handles, the allocator's first segments, vmmalloc's library.
     for kind in a.caches:
-        run(kind, 16, 4, 2)
+        run(kind, *WARMUP)
 
     rows, failures, notes = [], [], []
     per_step = {}    # batch -> seconds per generated token step (the slowest cache so far)
@@ -289,19 +309,7 @@ def main():
             elif ref is None:
                 r["tokens_equal"] = None
             else:
-                eq = torch.equal(tokens, ref)
-                r["tokens_equal"] = bool(eq)
-                if not eq:
-                    diff = (tokens != ref).nonzero()
-                    row, pos = int(diff[0, 0]), int(diff[0, 1])
-                    r["first_difference"] = {"row": row, "position": pos, "differing": int(diff.shape[0])}
-                    msg = ("%s prompt %d new %d batch %d: tokens differ from DynamicCache's (first at row %d, "
-                           "new token %d; %d of %d differ)" % (kind, pl, nt, batch, row, pos, diff.shape[0],
-                                                               tokens.numel()))
-                    if kind == "vmm" or a.strict_static:
-                        failures.append(msg)
-                    else:
-                        notes.append(msg + " -- StaticCache sums over max_cache_len: another order")
+                compare(kind, pl, nt, batch, tokens, ref, r, failures, notes, a.strict_static)
             rows.append(r)
             print("%-7s prompt %5d new %5d batch %d: %7.2f s, %8.1f tok/s, peak %8.1f MiB, kv %8.1f MiB, equal %s"
                   % (kind, pl, nt, batch, r["seconds"], r["tokens_per_s"], r["peak_bytes"] / 2**20,
@@ -320,6 +328,74 @@ def main():
         f.write(md + "\n")
     print("written: %s/kv_transformers.{json,md}" % a.out)
     print("kv_transformers: %s (%.0f s)" % ("passed" if not failures else "FAILED", total))
+    return 0 if not failures else 1
+
+
+def compare(kind, pl, nt, batch, tokens, ref, r, failures, notes, strict_static):
+    """Sets r["tokens_equal"] (and the first difference); a VmmCache mismatch is a failure."""
+    import torch
+    eq = torch.equal(tokens, ref)
+    r["tokens_equal"] = bool(eq)
+    if eq:
+        return
+    diff = (tokens != ref).nonzero()
+    row, pos = int(diff[0, 0]), int(diff[0, 1])
+    r["first_difference"] = {"row": row, "position": pos, "differing": int(diff.shape[0])}
+    msg = ("%s prompt %d new %d batch %d: tokens differ from DynamicCache's (first at row %d, new token %d; "
+           "%d of %d differ)" % (kind, pl, nt, batch, row, pos, diff.shape[0], tokens.numel()))
+    if kind == "vmm" or strict_static:
+        failures.append(msg)
+    else:
+        notes.append(msg + " -- StaticCache sums over max_cache_len: another order")
+
+
+def merge(a):
+    """Joins the rows of runs made in separate processes (--save-tokens) and compares their tokens."""
+    import torch
+    runs = []
+    for d in a.merge:
+        with open(os.path.join(d, "kv_transformers.json")) as f:
+            runs.append((d, json.load(f)))
+    meta = dict(runs[0][1]["meta"])
+    devices = sorted({r["meta"]["device"] for _, r in runs})
+    meta["device"] = " / ".join(devices)
+    meta["caches"] = sorted({c for _, r in runs for c in r["meta"]["caches"]}, key=CACHES.index)
+    rows, failures, notes = [], [], []
+    where = {}  # (prompt, new, batch) -> the directory of DynamicCache's tokens
+    for d, r in runs:
+        failures += r["failures"]
+        notes += r["notes"]
+        for row in r["rows"]:
+            row = dict(row, process=d)
+            rows.append(row)
+            if "seconds" in row and row["cache"] == "dynamic":
+                where[(row["prompt"], row["new"], row["batch"])] = d
+    for row in rows:
+        if "seconds" not in row or row["cache"] == "dynamic":
+            continue
+        key = (row["prompt"], row["new"], row["batch"])
+        if key not in where:
+            row["tokens_equal"] = None
+            continue
+        mine = os.path.join(row["process"], token_file(row["cache"], *key))
+        ref = os.path.join(where[key], token_file("dynamic", *key))
+        if not (os.path.exists(mine) and os.path.exists(ref)):
+            failures.append("%s prompt %d new %d batch %d: no saved tokens to compare (run with --save-tokens)"
+                            % ((row["cache"],) + key))
+            continue
+        compare(row["cache"], *key, torch.load(mine), torch.load(ref), row, failures, notes, a.strict_static)
+    rows.sort(key=lambda r: (r["new"], r["prompt"], r["batch"], CACHES.index(r["cache"])))
+    total = max(r["seconds"] for _, r in runs)
+    md = table(rows, meta, total, failures, notes)
+    md += "\n\nMerged from %d processes (%s); whole run = the longest of them." % (len(runs), ", ".join(a.merge))
+    print(md)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "kv_transformers.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "failures": failures, "notes": notes, "seconds": total,
+                   "passed": not failures, "merged_from": a.merge}, f, indent=1)
+    with open(os.path.join(a.out, "kv_transformers.md"), "w") as f:
+        f.write(md + "\n")
+    print("kv_transformers merge: %s" % ("passed" if not failures else "FAILED"))
     return 0 if not failures else 1
 
 

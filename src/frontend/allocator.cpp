@@ -305,12 +305,13 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
   // The slot this thread handed out last (the common allocate-then-free pattern) is found without
   // the page-map lookup: its bin entry still holds the reference, valid while the slab's set-up
   // count is unchanged. Any other address, or a slab set up again since, looks the slot up.
-  heap::slot_ref r;
+  heap::slot_ref looked;
+  const heap::slot_ref* rp = nullptr;
   const tcache::entry* last = m.tc_enabled && tl_cache_owner == m.id ? tl_cache->last : nullptr;
-  const bool known = last && last->p == u && last->r.current();
-  if (known) r = last->r;
-  if (m.tc_enabled && (known || m.hp->small_slot(u, r)) && r.stream == s &&
-      r.state->load(std::memory_order_relaxed) == r.word(1)) {
+  if (last && last->p == u && last->r.current()) rp = &last->r;
+  else if (m.tc_enabled && m.hp->small_slot(u, looked)) rp = &looked;
+  if (rp && rp->stream == s && rp->state->load(std::memory_order_relaxed) == rp->word(1)) {
+    const heap::slot_ref& r = *rp;
     tcache& c = m.my_cache();
     auto& b = c.bins[r.cls];
     // Claim the slot atomically: two racing frees cannot both win, and the tag in the word fails
@@ -327,7 +328,8 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
       if (m.trace) [[unlikely]] m.trace->event('f', u, req, s);
       r.req->store(0, std::memory_order_relaxed);
       const std::uint64_t n = b.n.get();
-      b.e[n] = {u, r};
+      // Freed right after it was popped, the slot lands in the entry that still holds it.
+      if (&b.e[n] != last || rp != &last->r) b.e[n] = {u, r};
       b.n.set(n + 1);
       b.stream = s;
       c.fast_frees.add(1);

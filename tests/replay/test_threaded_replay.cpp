@@ -7,8 +7,8 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
-#include <latch>
 #include <map>
 #include <mutex>
 #include <random>
@@ -253,27 +253,30 @@ TEST_CASE("a trace the library records (v2) parses and replays on its recorded t
     o.trace_path = path;
     auto a = vmm::allocator::host(o);
     // Three threads hand blocks to each other through a shared list: many frees cross threads.
+    // They take turns of 8 operations (whatever the scheduler does), so the list mixes all three.
     std::mutex mu;
     std::vector<std::pair<void*, vmm::stream_t>> shared;
-    std::latch start(3);  // all three run at once, else one may finish before the next starts
-    auto work = [&](unsigned seed) {
-      std::mt19937 rng(seed);
-      start.arrive_and_wait();
-      for (int i = 0; i < 3000; ++i) {
-        if (i % 8 == 0) std::this_thread::yield();  // let the others take the list in between
-        vmm::stream_t s = rng() % 3 == 0 ? static_cast<vmm::stream_t>(&tag) : nullptr;
-        std::lock_guard g(mu);  // the list, not the allocator: it is thread-safe
-        if (shared.size() < 40 && rng() % 2) {
-          shared.emplace_back(a.allocate(std::size_t{1} << (rng() % 22), 0, s), s);
-        } else if (!shared.empty()) {
-          auto k = rng() % shared.size();
-          a.deallocate(shared[k].first, shared[k].second);
-          shared[k] = shared.back();
-          shared.pop_back();
+    std::atomic<int> turn{0};
+    auto work = [&](unsigned id) {
+      std::mt19937 rng(id + 1);
+      for (int round = 0; round < 375; ++round) {
+        while (turn.load() % 3 != static_cast<int>(id)) std::this_thread::yield();
+        for (int i = 0; i < 8; ++i) {
+          vmm::stream_t s = rng() % 3 == 0 ? static_cast<vmm::stream_t>(&tag) : nullptr;
+          std::lock_guard g(mu);  // the list, not the allocator: it is thread-safe
+          if (shared.size() < 40 && rng() % 2) {
+            shared.emplace_back(a.allocate(std::size_t{1} << (rng() % 22), 0, s), s);
+          } else if (!shared.empty()) {
+            auto k = rng() % shared.size();
+            a.deallocate(shared[k].first, shared[k].second);
+            shared[k] = shared.back();
+            shared.pop_back();
+          }
         }
+        turn.fetch_add(1);
       }
     };
-    std::thread t1(work, 1), t2(work, 2), t3(work, 3);
+    std::thread t1(work, 0), t2(work, 1), t3(work, 2);
     t1.join(), t2.join(), t3.join();
     // The main thread is a fourth recorded thread: it frees what is left (the list may be empty
     // by chance) and one block of its own.

@@ -101,6 +101,7 @@ def parse():
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     p.add_argument("--map-ahead-tokens", type=int, default=0, help="VmmCache's map-ahead thread (0: off)")
+    p.add_argument("--layer-groups", type=int, help="VmmCache's layer groups (default: its own choice)")
     p.add_argument("--static-compile", action="store_true", help="let generate() compile for StaticCache")
     p.add_argument("--strict-static", action="store_true", help="StaticCache token differences fail the run")
     p.add_argument("--out", default=os.environ.get("VMM_OUT") or "kv-transformers-out")
@@ -178,7 +179,7 @@ def main():
                   "head_dim": a.hidden // a.heads, "vocab": a.vocab, "dtype": a.dtype, "attn": a.attn,
                   "parameters": sum(p.numel() for p in model.parameters())},
         "token_bytes_per_layer_kv": token_bytes, "caches": a.caches, "budget_s": a.budget,
-        "map_ahead_tokens": a.map_ahead_tokens, "static_compile": a.static_compile,
+        "map_ahead_tokens": a.map_ahead_tokens, "layer_groups": a.layer_groups, "static_compile": a.static_compile,
     }
     print("%s; torch %s, transformers %s; Llama %d layers, hidden %d, %d/%d heads, %s, %s; %d parameters"
           % (meta["device"], meta["torch"], meta["transformers"], a.layers, a.hidden, a.heads, a.kv_heads,
@@ -221,7 +222,7 @@ def main():
         if kind == "static":
             return StaticCache(config=model.config, max_cache_len=length)
         return PeakCache(model.config, max_batch_size=batch, max_cache_len=length,
-                         map_ahead_tokens=a.map_ahead_tokens)
+                         map_ahead_tokens=a.map_ahead_tokens, layer_groups=a.layer_groups)
 
     def run(kind, pl, nt, batch):
         ids, mask = prompts(pl, batch)

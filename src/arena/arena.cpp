@@ -187,12 +187,19 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   using piece = growth::piece;
   std::vector<piece> pieces;
   std::size_t taken = 0;  // physical bytes in `pieces`: still ours while they wait to be mapped
+  // Deferred: idle handles to release before the creates, and their bytes.
+  std::vector<vm::mapping_txn::lent> releases;
+  std::size_t releasing = 0;
   auto give_back = [&](std::size_t from) {
     for (std::size_t i = from; i < pieces.size(); ++i) {
       if (!pieces[i].h) continue;  // a deferred create: nothing made yet
       if (pieces[i].created) release_or_park(pieces[i].h, pieces[i].size);
       else idle_put(pieces[i].h, pieces[i].size);
     }
+    for (const auto& l : releases) idle_put(l.h, l.size);  // not released after all: idle again
+    releasing_bytes_ -= releasing;
+    releases.clear();
+    releasing = 0;
   };
   std::size_t total = 0;
   while (total < size) {
@@ -218,14 +225,27 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     // Idle handles that could not serve this request only add to the footprint: release them
     // before creating more (peak physical stays close to peak mapped).
     if (opt_.stitch_on_grow && idle_bytes_) {
-      if (status r = release_idle(0, true); !r.ok()) {
+      if (defer) {
+        // The growth releases them before it creates: set aside here, counted as held until then.
+        // One whose retired range is still mapped stays idle (its memory is not freed yet).
+        for (auto it = idle_.end(); it != idle_.begin();) {
+          --it;
+          if (aliased(it->second)) continue;
+          releases.push_back({it->second, it->first});
+          releasing += it->first;
+          releasing_bytes_ += it->first;
+          idle_bytes_ -= it->first;
+          it = idle_.erase(it);
+        }
+      } else if (status r = release_idle(0, true); !r.ok()) {
         give_back(0);
         return {0, r};
       }
     }
     // The limit is checked before the create: everything held (growths in flight on other
-    // threads included), the pieces taken for this range, plus what the create would add.
-    const std::size_t physical = held_for_limit() + taken;
+    // threads included), the pieces taken for this range, plus what the create would add, less
+    // what this growth releases before it creates.
+    const std::size_t physical = held_for_limit() + taken - releasing;
     if (want > opt_.memory_limit || physical > opt_.memory_limit - want) {
       give_back(0);
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
@@ -263,6 +283,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     g.pieces = std::move(pieces);
     g.access = pol_.access;
     g.access_gen = pol_.access_changes;
+    g.releases = std::move(releases);
     return {0, {errc::other, 0, "growth deferred to run outside the lock", "map"}};
   }
   if (mapped) *mapped = total;
@@ -351,6 +372,8 @@ void arena::run_growth(growth& g) {
   auto release = [&](const growth::piece& p) {
     if (!vm::driver::twice([&] { return drv_.release(p.h); }).ok()) g.strays.add_handle(p.h, p.size);
   };
+  for (const auto& l : g.releases)  // before the creates: the memory is the device's again first
+    if (!vm::driver::twice([&] { return drv_.release(l.h); }).ok()) g.strays.add_handle(l.h, l.size);
   for (auto& p : g.pieces) {
     if (!p.created) continue;
     // The policies' create hooks change no state but an atomic counter here: the IPC policy,
@@ -417,6 +440,8 @@ status arena::finish_growth(growth& g) {
   inflight_bytes_ -= g.size;
   for (const auto& p : g.pieces)
     if (!p.created) inflight_lent_ -= p.size;
+  for (const auto& l : g.releases) releasing_bytes_ -= l.size;  // released, or a stray now
+  g.releases.clear();
   status st = g.st;
   if (st.ok() && pol_.access_changes != g.access_gen) {
     // A peer was granted or revoked while the driver calls ran: the new range gets the table of

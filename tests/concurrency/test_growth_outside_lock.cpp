@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Growth's driver calls run outside the allocator's lock: while one thread's growth sits in
-// cuMemCreate, cuMemMap or the cuMemUnmap of a range it stitches from (here: a backend that
-// blocks there until the test lets it go), other
+// cuMemCreate, cuMemMap, the cuMemUnmap of a range it stitches from or the cuMemRelease of an
+// idle handle it cannot use (here: a backend that blocks there until the test lets it go), other
 // threads allocate and free from mapped memory, read stats and check the invariants. The memory
 // limit counts the growth in flight, so two growths at once cannot pass it together. Host
 // backend; CI runs it in the plain, ASan and TSan trees.
@@ -30,7 +30,7 @@ using namespace std::chrono_literals;
 // Blocks the first create (or map) after arm() until open(): a driver call that takes long.
 class gate_backend final : public forwarding_backend {
  public:
-  enum which { none, create_call, map_call, unmap_call };
+  enum which { none, create_call, map_call, unmap_call, release_call };
   using forwarding_backend::forwarding_backend;
 
   result<mem_handle> create(std::size_t n, const chunk_props& p) override {
@@ -44,6 +44,10 @@ class gate_backend final : public forwarding_backend {
   status unmap(std::uintptr_t va, std::size_t n) override {
     hold(unmap_call);
     return forwarding_backend::unmap(va, n);
+  }
+  status release(mem_handle h) override {
+    hold(release_call);
+    return forwarding_backend::release(h);
   }
 
   void arm(which w) { armed_.store(w); }
@@ -87,12 +91,15 @@ struct fixture {
 
 // While `grower` is blocked in the gated call, `others` must finish: it needs the allocator's
 // lock only for memory that is already mapped.
+// between: called after the warm allocations, before their frees.
 void others_run_while_growth_blocks(fixture& f, gate_backend::which w, std::size_t grow_bytes,
-                                    const std::function<void()>& before_growth = {}) {
+                                    const std::function<void()>& before_growth = {},
+                                    const std::function<void()>& between = {}) {
   allocator& a = *f.a;
   // Mapped, free memory for the other threads: a few MiB allocated and freed.
   std::vector<void*> warm;
   for (int i = 0; i < 8; ++i) warm.push_back(a.allocate(1 * MiB));
+  if (between) between();
   for (void* p : warm) a.deallocate(p);
   if (before_growth) before_growth();
 
@@ -172,6 +179,28 @@ TEST_CASE("other threads allocate while a growth unmaps retired ranges") {
   a.deallocate(big, s1);
   a.deallocate(keep, s1);
   for (int i = 1; i < 6; i += 2) a.deallocate(v[i], s1);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("other threads allocate while a growth releases an idle handle it cannot use") {
+  // A freed 512 MiB huge block's chunk, the oldest free one, is evicted for a 96 MiB growth: its
+  // handle is larger than the growth, so it is released before the growth creates (the footprint
+  // stays at one of the two). The release runs with the growth's other driver calls, outside the
+  // lock, while the other threads use the mapped memory freed after it.
+  fixture f;
+  allocator& a = *f.a;
+  void* big = nullptr;
+  std::thread([&] { big = a.allocate(512 * MiB); }).join();  // not this thread's cached block
+  REQUIRE(big != nullptr);
+  others_run_while_growth_blocks(f, gate_backend::release_call, 96 * MiB, {}, [&] {
+    a.deallocate(big);
+    REQUIRE(a.stats().free_chunk_bytes >= 512 * MiB);
+  });
+  const auto st = a.stats();
+  CHECK(st.physical < 512 * MiB);  // the 512 MiB handle is gone, not kept beside the new memory
+  CHECK(st.calls.release >= 1);
   a.trim(0);
   CHECK(a.stats().physical == 0);
   CHECK(a.check() == "");

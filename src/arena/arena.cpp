@@ -58,6 +58,7 @@ arena::~arena() {
   (void)poll_retiring(true);
   for (const auto& r : retiring_) (void)vm::driver::twice([&] { return drv_.unmap(r.va, r.size); });
   for (auto& e : idle_) (void)vm::driver::twice([&] { return drv_.release(e.second); });
+  for (auto& d : doomed_) (void)vm::driver::twice([&] { return drv_.release(d.h); });
   (void)strays_.retry(drv_);
   (void)res_.reset();
 }
@@ -188,7 +189,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   std::vector<piece> pieces;
   std::size_t taken = 0;  // physical bytes in `pieces`: still ours while they wait to be mapped
   // Deferred: idle handles to release before the creates, and their bytes.
-  std::vector<vm::mapping_txn::lent> releases;
+  std::vector<growth::release> releases;
   std::size_t releasing = 0;
   auto give_back = [&](std::size_t from) {
     for (std::size_t i = from; i < pieces.size(); ++i) {
@@ -343,12 +344,26 @@ void arena::install(std::uintptr_t va, const std::vector<growth::piece>& pieces,
   note_peaks();
 }
 
+bool arena::park_releases() {
+  if (pending_ || doomed_.empty()) return false;
+  growth g;
+  for (auto& r : retiring_)
+    if (!r.unmapping && (!r.fence || drv_.fence_done(r.fence))) {
+      r.unmapping = true;
+      g.unmaps.push_back({r.va, r.size, r.fence, false, r.h});
+    }
+  g.releases = std::move(doomed_);
+  doomed_.clear();
+  pending_.emplace(std::move(g));
+  return true;
+}
+
 bool arena::park_unmaps() {
   growth g;
   for (auto& r : retiring_)
     if (!r.unmapping && (!r.fence || drv_.fence_done(r.fence))) {
       r.unmapping = true;
-      g.unmaps.push_back({r.va, r.size, r.fence, false});
+      g.unmaps.push_back({r.va, r.size, r.fence, false, r.h});
     }
   if (g.unmaps.empty()) return false;
   pending_.emplace(std::move(g));
@@ -368,12 +383,18 @@ void arena::run_growth(growth& g) {
     u.done = vm::driver::twice([&] { return drv_.unmap(u.va, u.size); }).ok();
     if (u.done && u.fence) drv_.drop_fence(u.fence);
   }
-  if (g.pieces.empty()) return;  // unmaps only
+  // Then the releases, before any create: the memory is the device's again first. A handle whose
+  // range the driver refused to unmap is parked instead (released by a later retry; the range
+  // stays retired until it is unmapped).
+  for (const auto& l : g.releases) {
+    const bool still_mapped = std::any_of(g.unmaps.begin(), g.unmaps.end(),
+                                          [&](const growth::unmap& u) { return u.h == l.h && !u.done; });
+    if (still_mapped || !vm::driver::twice([&] { return drv_.release(l.h); }).ok()) g.strays.add_handle(l.h, l.size);
+  }
+  if (g.pieces.empty()) return;  // unmaps and releases only
   auto release = [&](const growth::piece& p) {
     if (!vm::driver::twice([&] { return drv_.release(p.h); }).ok()) g.strays.add_handle(p.h, p.size);
   };
-  for (const auto& l : g.releases)  // before the creates: the memory is the device's again first
-    if (!vm::driver::twice([&] { return drv_.release(l.h); }).ok()) g.strays.add_handle(l.h, l.size);
   for (auto& p : g.pieces) {
     if (!p.created) continue;
     // The policies' create hooks change no state but an atomic counter here: the IPC policy,
@@ -430,18 +451,23 @@ void arena::finish_unmaps(growth& g) {
   g.unmaps.clear();
 }
 
+void arena::finish_releases(growth& g) {
+  for (const auto& l : g.releases) releasing_bytes_ -= l.size;  // released, or parked as a stray
+  g.releases.clear();
+}
+
 status arena::finish_growth(growth& g) {
   finish_unmaps(g);
-  if (g.pieces.empty()) {  // unmaps only: nothing was taken
+  finish_releases(g);
+  if (g.pieces.empty()) {  // unmaps and releases only: nothing was taken
     evicted_ = true;
+    strays_.take(g.strays);  // releases the driver refused
     return {};
   }
   inflight_.erase(g.va);
   inflight_bytes_ -= g.size;
   for (const auto& p : g.pieces)
     if (!p.created) inflight_lent_ -= p.size;
-  for (const auto& l : g.releases) releasing_bytes_ -= l.size;  // released, or a stray now
-  g.releases.clear();
   status st = g.st;
   if (st.ok() && pol_.access_changes != g.access_gen) {
     // A peer was granted or revoked while the driver calls ran: the new range gets the table of
@@ -539,12 +565,19 @@ status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
 
 status arena::release_idle(std::size_t keep, bool keep_retired) {
   status parked = retry_strays();
-  if (!deferring()) (void)poll_retiring(false);  // else the deferred growth unmaps them
+  if (!deferring() && !defer_rel_) (void)poll_retiring(false);  // else a deferred growth unmaps them
   // Largest first: fewest driver calls for the bytes returned.
   auto it = idle_.end();
   while (idle_bytes_ > keep && it != idle_.begin()) {
     --it;
     if (keep_retired && aliased(it->second, true)) continue;
+    if (defer_rel_ && !aliased(it->second)) {  // a free's: released by park_releases' growth
+      doomed_.push_back({it->second, it->first});
+      releasing_bytes_ += it->first;
+      idle_bytes_ -= it->first;
+      it = idle_.erase(it);
+      continue;
+    }
     if (status st = drv_.release(it->second); !st.ok()) return st;
     (void)note_release_of_aliased(it->second, it->first);
     idle_bytes_ -= it->first;
@@ -576,12 +609,16 @@ bool arena::take_back(mem_handle h, std::size_t size) {
 }
 
 status arena::evict_chunk(std::uint32_t id, bool keep_handle) {
+  if (!keep_handle && defer_rel_) {  // given back by a free: unmapped and released after its lock
+    retire_chunk(id, 0, false, true);
+    return {};
+  }
   if (!keep_handle || !deferring()) return unmap_chunk(id, keep_handle);
   retire_chunk(id, 0, false);
   return {};
 }
 
-void arena::retire_chunk(std::uint32_t id, fence_t fence, bool count) {
+void arena::retire_chunk(std::uint32_t id, fence_t fence, bool count, bool doom) {
   chunk& c = chunks_[id];
   assert(c.size && c.used == 0);
   lru_remove(id);
@@ -592,7 +629,12 @@ void arena::retire_chunk(std::uint32_t id, fence_t fence, bool count) {
   --chunk_count_;
   retiring_.push_back({c.va, c.size, c.handle, fence});
   if (count) ++retired_count_;
-  idle_put(c.handle, c.size);
+  if (doom) {
+    doomed_.push_back({c.handle, c.size});
+    releasing_bytes_ += c.size;
+  } else {
+    idle_put(c.handle, c.size);
+  }
   c = chunk{};
   free_slots_.push_back(id);
 }

@@ -144,16 +144,27 @@ class arena {
       std::size_t size = 0;
       fence_t fence = 0;
       bool done = false;
+      mem_handle h = 0;  // the handle it maps
     };
     std::vector<unmap> unmaps;
-    // Idle handles that could not serve this growth, released by run_growth before its creates
-    // (outside the lock: a release of a large handle takes up to ~0.6 ms). A refused one is parked
-    // as a stray.
-    std::vector<vm::mapping_txn::lent> releases;
+    // Handles to release (outside the lock: a release of a large handle takes up to ~0.6 ms):
+    // idle ones that could not serve this growth, released before its creates, or the handles of
+    // chunks a free gave back (park_releases). A refused one is parked as a stray.
+    struct release {
+      mem_handle h = 0;
+      std::size_t size = 0;
+    };
+    std::vector<release> releases;
     // The requesting heap's own: the stream and whether the growth gave memory back first.
     stream_t stream = nullptr;
     bool pressed = false;
   };
+  // While a free runs (release_threshold, idle decay): chunks it gives back are retired with no
+  // fence and their handles set aside instead of unmapped and released under the lock;
+  // park_releases() then makes those driver calls a growth of their own (pieces empty), which the
+  // front end runs outside its lock.
+  void defer_releases(bool on) { defer_rel_ = on && !whole_chunks_; }
+  bool park_releases();
   // defer_growth(false) ends a try: a retry's eviction mark goes with it.
   void defer_growth(bool on) {
     defer_ = on;
@@ -182,7 +193,8 @@ class arena {
   // once, to be mapped elsewhere for work later on that same stream (stream order keeps the old
   // work first); its VA stays mapped, out of the holes, until `fence` (recorded on that stream,
   // owned by the arena now) completes. No driver call but the fence; the unmap comes later.
-  void retire_chunk(std::uint32_t id, fence_t fence, bool count = true);
+  // doom: its handle is released once its range is unmapped (defer_releases), not kept idle.
+  void retire_chunk(std::uint32_t id, fence_t fence, bool count = true, bool doom = false);
   // A free chunk whose handle a growth is about to map elsewhere (stitching): unmap_chunk, or,
   // while a growth is being deferred, retired with no fence, so that growth unmaps the old range
   // with its own driver calls outside the lock (growth::unmaps). No stream uses it.
@@ -269,6 +281,7 @@ class arena {
   std::size_t held_for_limit() const { return physical_now() + (inflight_bytes_ - inflight_lent_); }
   void install(std::uintptr_t va, const std::vector<growth::piece>& pieces, std::uint32_t owner, std::uint16_t heap);
   void finish_unmaps(growth& g);  // the VA of the retired ranges run_growth unmapped comes back
+  void finish_releases(growth& g);  // the held bytes of what run_growth released (or parked)
   bool park_unmaps();             // a growth of the ready retired ranges' unmaps alone
 
   std::unique_ptr<backend_iface> b_;
@@ -323,7 +336,9 @@ class arena {
   std::optional<growth> pending_;
   std::map<std::uintptr_t, std::size_t> inflight_;
   std::size_t inflight_bytes_ = 0, inflight_lent_ = 0;
-  std::size_t releasing_bytes_ = 0;  // idle handles a growth in flight releases: held until then
+  std::size_t releasing_bytes_ = 0;  // handles set aside for release (doomed_, growths in flight): held until then
+  bool defer_rel_ = false;           // see defer_releases()
+  std::vector<growth::release> doomed_;  // handles of chunks a free gave back, released by park_releases' growth
   std::size_t compressed_bytes_ = 0;  // mapped bytes the driver granted compression for
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
   std::size_t peak_mapped_ = 0, peak_physical_ = 0;

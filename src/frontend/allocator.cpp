@@ -338,13 +338,22 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
   }
   status st;
   {
-    std::lock_guard g(m.mu);
+    std::unique_lock g(m.mu);
     heap& h = m.owner_of(u);
     const std::size_t req = m.trace ? h.requested_size(u) : 0;
+    // Chunks the free gives back (release_threshold, idle decay) are unmapped and released after
+    // the lock is dropped, as a growth's driver calls are (see allocate_growing).
+    const bool outside = &h == m.hp.get() && m.ar->opts().grow_outside_lock;
+    m.ar->defer_releases(outside);
     st = h.deallocate(u, s);
+    m.ar->defer_releases(false);
     if (st.ok() && &h != m.hp.get()) m.after_free(h);
     // Under mu: another thread cannot reuse the address and trace its allocation first.
     if (m.trace && st.ok()) [[unlikely]] m.trace->event('f', u, req, s);
+    if (outside && m.ar->park_releases()) {
+      (void)run_parked_growth(m, g);  // a refused unmap stays retired, a refused release parked
+      m.ar->defer_growth(false);      // the mark of an unmap round is an allocation's retry's only
+    }
   }
   if (!st.ok()) set_last_error(st, "deallocate");
   return st;

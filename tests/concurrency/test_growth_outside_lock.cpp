@@ -206,6 +206,46 @@ TEST_CASE("other threads allocate while a growth releases an idle handle it cann
   CHECK(a.check() == "");
 }
 
+TEST_CASE("other threads allocate while a free gives its chunk back") {
+  // release_threshold 0: a free whose chunk becomes wholly free unmaps and releases it. Those
+  // driver calls run after the free has dropped the lock, as a growth's do.
+  options o;
+  o.release_threshold = 0;
+  fixture f(o);
+  allocator& a = *f.a;
+  void* keep = a.allocate(4 * MiB);  // memory the other threads use meanwhile: not given back
+  void* big = a.allocate(96 * MiB);
+  f.gate->arm(gate_backend::release_call);
+  auto freer = std::async(std::launch::async, [&] { a.deallocate(big); });
+  REQUIRE(f.gate->wait_entered(10s));
+  auto others = std::async(std::launch::async, [&] {
+    int ok = 0;
+    for (int i = 0; i < 200; ++i) {
+      void* p = a.try_allocate(1 * MiB + 4096 * (i % 7));
+      void* q = a.try_allocate(3000);
+      if (p && q) ++ok;
+      a.deallocate(q);
+      a.deallocate(p);
+    }
+    (void)a.stats();
+    return std::make_pair(ok, a.check());
+  });
+  const bool finished = others.wait_for(10s) == std::future_status::ready;
+  CHECK_MESSAGE(finished, "allocations waited for another thread's free to release its chunk");
+  f.gate->open();
+  auto [ok, problems] = others.get();
+  freer.get();
+  CHECK(ok == 200);
+  CHECK(problems == "");
+  const auto st = a.stats();
+  CHECK(st.retiring == 0);             // the free's range was unmapped
+  CHECK(st.physical < 96 * MiB);       // and its handle released
+  a.deallocate(keep);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(a.check() == "");
+}
+
 TEST_CASE("the memory limit counts a growth in flight") {
   options o;
   o.memory_limit = 256 * MiB;

@@ -184,23 +184,18 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
                   : fail(errc::out_of_memory, "cuMemAddressReserve", "reservation exhausted")};
   }
 
-  // Pieces: idle handles first (largest that fit), then one created handle for the rest.
+  // Pieces: idle handles first (largest that fit), then one handle to create for the rest.
   using piece = growth::piece;
   std::vector<piece> pieces;
   std::size_t taken = 0;  // physical bytes in `pieces`: still ours while they wait to be mapped
-  // Deferred: idle handles to release before the creates, and their bytes.
+  // Idle handles to release before the create, and their bytes.
   std::vector<growth::release> releases;
   std::size_t releasing = 0;
-  auto give_back = [&](std::size_t from) {
-    for (std::size_t i = from; i < pieces.size(); ++i) {
-      if (!pieces[i].h) continue;  // a deferred create: nothing made yet
-      if (pieces[i].created) release_or_park(pieces[i].h, pieces[i].size);
-      else idle_put(pieces[i].h, pieces[i].size);
-    }
+  auto give_back = [&] {
+    for (const auto& p : pieces)
+      if (p.h) idle_put(p.h, p.size);  // the handle to create has none yet
     for (const auto& l : releases) idle_put(l.h, l.size);  // not released after all: idle again
     releasing_bytes_ -= releasing;
-    releases.clear();
-    releasing = 0;
   };
   std::size_t total = 0;
   while (total < size) {
@@ -223,24 +218,19 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       total += pieces.back().size;
       continue;
     }
-    // Idle handles that could not serve this request only add to the footprint: release them
-    // before creating more (peak physical stays close to peak mapped).
+    // Idle handles that could not serve this request only add to the footprint: the growth
+    // releases them before it creates (peak physical stays close to peak mapped); set aside
+    // here, counted as held until then. One whose retired range is still mapped stays idle (its
+    // memory is not freed yet).
     if (opt_.stitch_on_grow && idle_bytes_) {
-      if (defer) {
-        // The growth releases them before it creates: set aside here, counted as held until then.
-        // One whose retired range is still mapped stays idle (its memory is not freed yet).
-        for (auto it = idle_.end(); it != idle_.begin();) {
-          --it;
-          if (aliased(it->second)) continue;
-          releases.push_back({it->second, it->first});
-          releasing += it->first;
-          releasing_bytes_ += it->first;
-          idle_bytes_ -= it->first;
-          it = idle_.erase(it);
-        }
-      } else if (status r = release_idle(0, true); !r.ok()) {
-        give_back(0);
-        return {0, r};
+      for (auto i = idle_.end(); i != idle_.begin();) {
+        --i;
+        if (aliased(i->second)) continue;
+        releases.push_back({i->second, i->first});
+        releasing += i->first;
+        releasing_bytes_ += i->first;
+        idle_bytes_ -= i->first;
+        i = idle_.erase(i);
       }
     }
     // The limit is checked before the create: everything held (growths in flight on other
@@ -248,81 +238,40 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     // what this growth releases before it creates.
     const std::size_t physical = held_for_limit() + taken - releasing;
     if (want > opt_.memory_limit || physical > opt_.memory_limit - want) {
-      give_back(0);
+      give_back();
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
     }
-    if (defer) {
-      pieces.push_back({want, 0, true, false});  // created by run_growth, outside the lock
-      taken += want;
-      total += want;
-      continue;
-    }
-    auto c = policy::create_chunk(drv_, policies_, opt_, pol_, want);
-    if (!c.ok()) {
-      give_back(0);
-      return {0, c.st};
-    }
-    pieces.push_back({want, c.value, true, false});
+    pieces.push_back({want, 0, true, false});  // created by run_growth
+    taken += want;
     total += want;
   }
   const std::uintptr_t va = hole_for(total);
   assert(va);  // checked for size, and for every larger total before a piece made it so
-  size = total;
 
+  // The hole and the handles are the growth's from here: nobody else maps there or takes them.
+  take_hole(va, total);
+  inflight_.emplace(va, total);
+  inflight_bytes_ += total;
+  for (const auto& p : pieces)
+    if (!p.created) inflight_lent_ += p.size;
+  growth g;
+  g.va = va;
+  g.size = total;
+  g.owner = owner;
+  g.heap = heap;
+  g.pieces = std::move(pieces);
+  g.access = pol_.access;
+  g.access_gen = pol_.access_changes;
+  g.releases = std::move(releases);
   if (defer) {
-    // The hole and the handles are the growth's from here: nobody else maps there or takes them.
-    take_hole(va, size);
-    inflight_.emplace(va, size);
-    inflight_bytes_ += size;
-    for (const auto& p : pieces)
-      if (!p.created) inflight_lent_ += p.size;
-    growth& g = pending_.emplace(growth{});
-    g.va = va;
-    g.size = size;
-    g.owner = owner;
-    g.heap = heap;
-    g.pieces = std::move(pieces);
-    g.access = pol_.access;
-    g.access_gen = pol_.access_changes;
-    g.releases = std::move(releases);
+    pending_.emplace(std::move(g));
     return {0, {errc::other, 0, "growth deferred to run outside the lock", "map"}};
   }
+  // Under the lock (growth outside it off, an exportable policy, a graph pool): the same driver
+  // calls and rollback, now.
+  run_growth(g);
+  if (status st = finish_growth(g); !st.ok()) return {0, st};
   if (mapped) *mapped = total;
-
-  const std::size_t strays_before = strays_.size();
-  status st{};
-  {
-    vm::mapping_txn txn(drv_, strays_);
-    std::size_t off = 0, i = 0;
-    for (; i < pieces.size(); ++i) {
-      st = txn.map(va + off, pieces[i].size, pieces[i].h, pieces[i].created);
-      if (!st.ok()) break;
-      off += pieces[i].size;
-    }
-    // One set_access over the whole range: the driver's cost is per call, not per chunk.
-    if (st.ok()) st = txn.set_access(va, size, pol_.access);
-    if (st.ok()) {
-      txn.commit();
-    } else {
-      give_back(i + 1);  // pieces after the failed one were never mapped (the failed one is handed back)
-      txn.rollback();
-      for (auto& l : txn.returned()) idle_put(l.h, l.size);
-    }
-  }
-  if (!st.ok()) {
-    // What the driver refused to unmap stays mapped: keep its VA out of the holes.
-    for (std::size_t k = strays_before; k < strays_.size(); ++k) {
-      const auto& e = strays_.entries()[k];
-      if (e.mapped) take_hole(e.va, e.size);
-    }
-    note_peaks();
-    return {0, st};
-  }
-
-  take_hole(va, size);
-  for (auto& p : pieces)
-    for (auto& pol : policies_) p.marked = pol->mapped(drv_, pol_, p.h) || p.marked;
-  install(va, pieces, owner, heap);
   return {va, {}};
 }
 
@@ -397,8 +346,9 @@ void arena::run_growth(growth& g) {
   };
   for (auto& p : g.pieces) {
     if (!p.created) continue;
-    // The policies' create hooks change no state but an atomic counter here: the IPC policy,
-    // whose kind may fall back on a refused create, never defers (see map_range).
+    // Outside the lock the policies' create hooks change no state but an atomic counter: the
+    // IPC policy, whose kind may fall back on a refused create, runs its growths under the lock
+    // (deferring()).
     auto c = policy::create_chunk(drv_, policies_, opt_, pol_, p.size);
     if (!c.ok()) {
       g.st = c.st;

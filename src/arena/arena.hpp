@@ -118,7 +118,9 @@ class arena {
   // memory limit, parks the rest as a pending growth and fails with errc::other ("deferred").
   // The front end takes the growth, drops its lock, runs the driver calls (run_growth: create,
   // map, set_access), takes the lock again and installs the chunks (finish_growth). Other threads
-  // allocate from what is mapped meanwhile; the hole and the handles are nobody else's.
+  // allocate from what is mapped meanwhile; the hole and the handles are nobody else's. Without
+  // defer_growth, map_range runs the same growth at once, under the caller's lock: one path for
+  // the driver calls and their rollback.
   struct growth {
     struct piece {
       std::size_t size = 0;
@@ -177,7 +179,8 @@ class arena {
   bool deferring() const { return defer_ && !whole_chunks_; }
   growth* pending_growth() { return pending_ ? &*pending_ : nullptr; }
   growth take_growth();
-  // Without the front end's lock: creates, maps and grants access, all or nothing (g.st).
+  // Releases, creates, maps and grants access, all or nothing (g.st); without the front end's
+  // lock when the growth was deferred.
   void run_growth(growth& g);
   // Under the lock again: installs the chunks, or gives the hole and the handles back. Fails
   // when run_growth did, or the access table changed meanwhile and could not be applied.

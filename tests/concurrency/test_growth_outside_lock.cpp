@@ -89,6 +89,23 @@ struct fixture {
   }
 };
 
+// Another thread's allocate + free pairs from mapped memory (large and small), then stats() and
+// check(): pairs that succeeded, and what check() found.
+std::future<std::pair<int, std::string>> start_others(allocator& a) {
+  return std::async(std::launch::async, [&a] {
+    int ok = 0;
+    for (int i = 0; i < 200; ++i) {
+      void* p = a.try_allocate(1 * MiB + 4096 * (i % 7));  // the large path: under the lock
+      void* q = a.try_allocate(3000);                       // a small class
+      if (p && q) ++ok;
+      a.deallocate(q);
+      a.deallocate(p);
+    }
+    (void)a.stats();
+    return std::make_pair(ok, a.check());
+  });
+}
+
 // While `grower` is blocked in the gated call, `others` must finish: it needs the allocator's
 // lock only for memory that is already mapped.
 // between: called after the warm allocations, before their frees.
@@ -107,18 +124,7 @@ void others_run_while_growth_blocks(fixture& f, gate_backend::which w, std::size
   auto grower = std::async(std::launch::async, [&] { return a.try_allocate(grow_bytes); });
   REQUIRE(f.gate->wait_entered(10s));
 
-  auto others = std::async(std::launch::async, [&] {
-    int ok = 0;
-    for (int i = 0; i < 200; ++i) {
-      void* p = a.try_allocate(1 * MiB + 4096 * (i % 7));  // the large path: under the lock
-      void* q = a.try_allocate(3000);                       // a small class
-      if (p && q) ++ok;
-      a.deallocate(q);
-      a.deallocate(p);
-    }
-    (void)a.stats();
-    return std::make_pair(ok, a.check());
-  });
+  auto others = start_others(a);
   // Before growth left the lock, `others` waited for the gate: this timed out.
   const bool finished = others.wait_for(10s) == std::future_status::ready;
   CHECK_MESSAGE(finished, "allocations from mapped memory waited for another thread's driver call");
@@ -218,18 +224,7 @@ TEST_CASE("other threads allocate while a free gives its chunk back") {
   f.gate->arm(gate_backend::release_call);
   auto freer = std::async(std::launch::async, [&] { a.deallocate(big); });
   REQUIRE(f.gate->wait_entered(10s));
-  auto others = std::async(std::launch::async, [&] {
-    int ok = 0;
-    for (int i = 0; i < 200; ++i) {
-      void* p = a.try_allocate(1 * MiB + 4096 * (i % 7));
-      void* q = a.try_allocate(3000);
-      if (p && q) ++ok;
-      a.deallocate(q);
-      a.deallocate(p);
-    }
-    (void)a.stats();
-    return std::make_pair(ok, a.check());
-  });
+  auto others = start_others(a);
   const bool finished = others.wait_for(10s) == std::future_status::ready;
   CHECK_MESSAGE(finished, "allocations waited for another thread's free to release its chunk");
   f.gate->open();

@@ -293,14 +293,18 @@ void arena::install(std::uintptr_t va, const std::vector<growth::piece>& pieces,
   note_peaks();
 }
 
-bool arena::park_releases() {
-  if (pending_ || doomed_.empty()) return false;
-  growth g;
+void arena::take_ready_unmaps(growth& g) {
   for (auto& r : retiring_)
     if (!r.unmapping && (!r.fence || drv_.fence_done(r.fence))) {
       r.unmapping = true;
       g.unmaps.push_back({r.va, r.size, r.fence, false, r.h});
     }
+}
+
+bool arena::park_releases() {
+  if (pending_ || doomed_.empty()) return false;
+  growth g;
+  take_ready_unmaps(g);
   g.releases = std::move(doomed_);
   doomed_.clear();
   pending_.emplace(std::move(g));
@@ -309,11 +313,7 @@ bool arena::park_releases() {
 
 bool arena::park_unmaps() {
   growth g;
-  for (auto& r : retiring_)
-    if (!r.unmapping && (!r.fence || drv_.fence_done(r.fence))) {
-      r.unmapping = true;
-      g.unmaps.push_back({r.va, r.size, r.fence, false, r.h});
-    }
+  take_ready_unmaps(g);
   if (g.unmaps.empty()) return false;
   pending_.emplace(std::move(g));
   return true;

@@ -286,6 +286,8 @@ class arena {
   void finish_unmaps(growth& g);  // the VA of the retired ranges run_growth unmapped comes back
   void finish_releases(growth& g);  // the held bytes of what run_growth released (or parked)
   bool park_unmaps();             // a growth of the ready retired ranges' unmaps alone
+  // The retired ranges whose fence completed (or that have none) join g.unmaps, marked unmapping.
+  void take_ready_unmaps(growth& g);
 
   std::unique_ptr<backend_iface> b_;
   vm::driver drv_;

@@ -133,11 +133,14 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
     result<std::uintptr_t> r = attempt(defer);
     if (!m.ar->pending_growth()) return r;
     ++deferred;
-    if (status st = run_parked_growth(m, lk); !st.ok()) {
+    const status st = run_parked_growth(m, lk);
+    // A try that parked a growth failed, unless it is a refill that got some slots before it
+    // needed a new slab: those stand, whatever the growth did.
+    if (r.ok()) return r;
+    if (!st.ok()) {
       if (st.kind != errc::out_of_memory) return {0, st};
       defer = false;
     }
-    if (r.ok()) return r;  // not expected: a parked growth fails the try
   }
 }
 }  // namespace
@@ -157,17 +160,16 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
         std::vector<std::uintptr_t> ps(m.tc_cap / 2);
         std::size_t got;
         {
-          // A new slab's growth runs outside the lock too (see allocate_growing). If it fails,
-          // the locked path below tries again and reports what is wrong.
+          // A new slab's growth runs outside the lock too (see allocate_growing); slots already
+          // handed out end the rounds. If it fails, the locked path below tries again and reports
+          // what is wrong.
           std::unique_lock g(m.mu);
-          rounds_end end{*m.ar};
-          for (int deferred = 0;; ++deferred) {
-            m.ar->defer_growth(deferred < kRounds && m.ar->opts().grow_outside_lock);
-            got = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
+          got = allocate_growing(m, g, [&](bool defer) -> result<std::uintptr_t> {
+            m.ar->defer_growth(defer);
+            const std::size_t n = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
             m.ar->defer_growth(false);
-            if (!m.ar->pending_growth()) break;
-            if (!run_parked_growth(m, g).ok() || got) break;
-          }
+            return {n, n ? status{} : status{errc::out_of_memory, 0, "no slot", "refill"}};
+          }).value;
         }
         for (std::size_t k = 0; k < got; ++k) {
           b.e[k].p = ps[k];

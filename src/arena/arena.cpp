@@ -68,6 +68,14 @@ void arena::idle_put(mem_handle h, std::size_t size) {
   idle_bytes_ += size;
 }
 
+std::multimap<std::size_t, mem_handle>::iterator arena::doom_idle(std::multimap<std::size_t, mem_handle>::iterator it,
+                                                                  std::vector<growth::release>& to) {
+  to.push_back({it->second, it->first});
+  releasing_bytes_ += it->first;
+  idle_bytes_ -= it->first;
+  return idle_.erase(it);
+}
+
 bool arena::note_release_of_aliased(mem_handle h, std::size_t size) {
   const std::uint64_t id = ++release_ids_;
   bool any = false;
@@ -226,11 +234,8 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       for (auto i = idle_.end(); i != idle_.begin();) {
         --i;
         if (aliased(i->second)) continue;
-        releases.push_back({i->second, i->first});
         releasing += i->first;
-        releasing_bytes_ += i->first;
-        idle_bytes_ -= i->first;
-        i = idle_.erase(i);
+        i = doom_idle(i, releases);
       }
     }
     // The limit is checked before the create: everything held (growths in flight on other
@@ -522,10 +527,7 @@ status arena::release_idle(std::size_t keep, bool keep_retired) {
     --it;
     if (keep_retired && aliased(it->second, true)) continue;
     if (defer_rel_ && !aliased(it->second)) {  // a free's: released by park_releases' growth
-      doomed_.push_back({it->second, it->first});
-      releasing_bytes_ += it->first;
-      idle_bytes_ -= it->first;
-      it = idle_.erase(it);
+      it = doom_idle(it, doomed_);
       continue;
     }
     if (status st = drv_.release(it->second); !st.ok()) return st;

@@ -276,6 +276,10 @@ class arena {
   void give_hole(std::uintptr_t va, std::size_t size);
   void idle_put(mem_handle h, std::size_t size);
   void release_or_park(mem_handle h, std::size_t size);  // a refused release parks h as a stray
+  // Moves an idle handle onto a list a growth releases outside the lock; it counts as held
+  // (releasing_bytes_) until then. Returns the next idle entry.
+  std::multimap<std::size_t, mem_handle>::iterator doom_idle(std::multimap<std::size_t, mem_handle>::iterator it,
+                                                             std::vector<growth::release>& to);
   void note_peaks();
   std::size_t physical_now() const {
     return mapped_ + idle_bytes_ + strays_.bytes() + retired_held_ + inflight_lent_ + releasing_bytes_;

@@ -106,6 +106,18 @@ std::future<std::pair<int, std::string>> start_others(allocator& a) {
   });
 }
 
+// While a driver call sits in the gate, other threads allocate and free from mapped memory: they
+// must finish before the gate opens (`why` is the failure message), without losing a block.
+void others_finish_while_gated(fixture& f, const char* why) {
+  auto others = start_others(*f.a);
+  const bool finished = others.wait_for(10s) == std::future_status::ready;
+  CHECK_MESSAGE(finished, why);
+  f.gate->open();
+  auto [ok, problems] = others.get();
+  CHECK(ok == 200);
+  CHECK(problems == "");
+}
+
 // While `grower` is blocked in the gated call, `others` must finish: it needs the allocator's
 // lock only for memory that is already mapped.
 // between: called after the warm allocations, before their frees.
@@ -124,14 +136,8 @@ void others_run_while_growth_blocks(fixture& f, gate_backend::which w, std::size
   auto grower = std::async(std::launch::async, [&] { return a.try_allocate(grow_bytes); });
   REQUIRE(f.gate->wait_entered(10s));
 
-  auto others = start_others(a);
-  // Before growth left the lock, `others` waited for the gate: this timed out.
-  const bool finished = others.wait_for(10s) == std::future_status::ready;
-  CHECK_MESSAGE(finished, "allocations from mapped memory waited for another thread's driver call");
-  f.gate->open();
-  auto [ok, problems] = others.get();
-  CHECK(ok == 200);
-  CHECK(problems == "");
+  // Before growth left the lock, the others waited for the gate: this timed out.
+  others_finish_while_gated(f, "allocations from mapped memory waited for another thread's driver call");
   void* big = grower.get();
   REQUIRE(big != nullptr);
   static_cast<char*>(big)[0] = 1;
@@ -224,14 +230,8 @@ TEST_CASE("other threads allocate while a free gives its chunk back") {
   f.gate->arm(gate_backend::release_call);
   auto freer = std::async(std::launch::async, [&] { a.deallocate(big); });
   REQUIRE(f.gate->wait_entered(10s));
-  auto others = start_others(a);
-  const bool finished = others.wait_for(10s) == std::future_status::ready;
-  CHECK_MESSAGE(finished, "allocations waited for another thread's free to release its chunk");
-  f.gate->open();
-  auto [ok, problems] = others.get();
+  others_finish_while_gated(f, "allocations waited for another thread's free to release its chunk");
   freer.get();
-  CHECK(ok == 200);
-  CHECK(problems == "");
   const auto st = a.stats();
   CHECK(st.retiring == 0);             // the free's range was unmapped
   CHECK(st.physical < 96 * MiB);       // and its handle released

@@ -34,6 +34,10 @@ Grids (--quick, --full, --long, or your own with --prompts/--new-tokens/--batche
             reported as skipped and --budget 1200 is needed where a call may run longer)
   --grid all  the cross product of the lists (hours with 16384 new tokens everywhere)
 
+--profile STEPS replaces the timed runs: each cache's generate() of STEPS new tokens at each
+point runs under torch.profiler (after an unprofiled run of the same shapes, whose time is
+printed), and the kernels' and host calls' totals go to profile-<cache>-<prompt>-<batch>.txt.
+
 Output: a markdown table on stdout, and kv_transformers.json + kv_transformers.md in --out
 (default $VMM_OUT when set, else ./kv-transformers-out).
 
@@ -106,6 +110,9 @@ def parse():
     p.add_argument("--strict-static", action="store_true", help="StaticCache token differences fail the run")
     p.add_argument("--out", default=os.environ.get("VMM_OUT") or "kv-transformers-out")
     p.add_argument("--save-tokens", action="store_true", help="write each run's generated tokens to --out")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="instead of the timed runs: each cache's generate() of STEPS new tokens at every point "
+                        "under torch.profiler; the kernels' and host calls' totals go to profile-*.txt in --out")
     p.add_argument("--merge", nargs="+", metavar="DIR",
                    help="join the results of runs made with --save-tokens (one process each) and compare tokens")
     a = p.parse_args()
@@ -137,6 +144,37 @@ def parse():
         points = [(pl, nt, b) for nt in news for pl in prompts for b in batches]  # cheap ones first
     a.points = points
     return a
+
+
+def profile(a, run, dev):
+    """Where a decode step's time goes for each cache: torch.profiler over a short generate() per
+    point (after the warm-up), GPU kernels by self device time and host calls by self CPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    os.makedirs(a.out, exist_ok=True)
+    for pl, _, batch in a.points:
+        for kind in a.caches:
+            run(kind, pl, a.profile, batch)  # unprofiled: this point's shapes warm
+            t0 = time.perf_counter()
+            run(kind, pl, a.profile, batch)
+            plain = time.perf_counter() - t0
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run(kind, pl, a.profile, batch)
+            ev = prof.key_averages()
+            dev_key = "self_device_time_total" if hasattr(ev[0], "self_device_time_total") else "self_cuda_time_total"
+            gpu_us = sum(getattr(e, dev_key) for e in ev)
+            head = ("%s prompt %d batch %d, %d new tokens: %.3f s unprofiled (%.2f ms a token step); "
+                    "GPU kernels %.2f ms a step" % (kind, pl, batch, a.profile, plain, 1e3 * plain / a.profile,
+                                                    gpu_us / 1e3 / a.profile))
+            print(head, flush=True)
+            name = os.path.join(a.out, "profile-%s-%d-%d.txt" % (kind, pl, batch))
+            with open(name, "w") as f:
+                f.write(head + "\n\n")
+                f.write(ev.table(sort_by=dev_key, row_limit=25) + "\n\n")
+                f.write(ev.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+    return 0
 
 
 def main():
@@ -271,6 +309,9 @@ def main():
     # Warm-up: kernels, cuBLAS handles, the allocator's first segments, vmmalloc's library.
     for kind in a.caches:
         run(kind, *WARMUP)
+
+    if a.profile:
+        return profile(a, run, dev)
 
     rows, failures, notes = [], [], []
     per_step = {}    # batch -> seconds per generated token step (the slowest cache so far)

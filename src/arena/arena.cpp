@@ -80,7 +80,7 @@ bool arena::note_release_of_aliased(mem_handle h, std::size_t size) {
   const std::uint64_t id = ++release_ids_;
   bool any = false;
   for (auto& r : retiring_)
-    if (r.h == h && !r.released) {
+    if (r.h == h && !r.released && !r.doomed) {
       r.released = id;  // the memory stays until its last retired range is unmapped: still counted
       any = true;
     }
@@ -166,7 +166,7 @@ void arena::give_hole(std::uintptr_t va, std::size_t size) {
 
 bool arena::aliased(mem_handle h, bool fenced_only) const {
   for (const auto& r : retiring_)
-    if (r.h == h && !r.released && (r.fence || !fenced_only)) return true;
+    if (r.h == h && !r.released && !r.doomed && (r.fence || !fenced_only)) return true;
   return false;
 }
 
@@ -333,8 +333,14 @@ arena::growth arena::take_growth() {
 
 void arena::run_growth(growth& g) {
   // Retired ranges first: their unmaps succeed or fail on their own, whatever the growth does.
+  // A round of unmaps and releases alone keeps the first refusal in g.st: finish_growth reports
+  // it as a refusal under the lock would be (take_parked_error).
+  auto note = [&](const status& st) {
+    if (!st.ok() && g.pieces.empty() && g.st.ok()) g.st = st;
+    return st.ok();
+  };
   for (auto& u : g.unmaps) {
-    u.done = vm::driver::twice([&] { return drv_.unmap(u.va, u.size); }).ok();
+    u.done = note(vm::driver::twice([&] { return drv_.unmap(u.va, u.size); }));
     if (u.done && u.fence) drv_.drop_fence(u.fence);
   }
   // Then the releases, before any create: the memory is the device's again first. A handle whose
@@ -343,7 +349,7 @@ void arena::run_growth(growth& g) {
   for (const auto& l : g.releases) {
     const bool still_mapped = std::any_of(g.unmaps.begin(), g.unmaps.end(),
                                           [&](const growth::unmap& u) { return u.h == l.h && !u.done; });
-    if (still_mapped || !vm::driver::twice([&] { return drv_.release(l.h); }).ok()) g.strays.add_handle(l.h, l.size);
+    if (still_mapped || !note(vm::driver::twice([&] { return drv_.release(l.h); }))) g.strays.add_handle(l.h, l.size);
   }
   if (g.pieces.empty()) return;  // unmaps and releases only
   auto release = [&](const growth::piece& p) {
@@ -417,6 +423,7 @@ status arena::finish_growth(growth& g) {
   if (g.pieces.empty()) {  // unmaps and releases only: nothing was taken
     evicted_ = true;
     strays_.take(g.strays);  // releases the driver refused
+    if (!g.st.ok() && parked_error_.ok()) parked_error_ = g.st;
     return {};
   }
   inflight_.erase(g.va);
@@ -579,7 +586,10 @@ void arena::retire_chunk(std::uint32_t id, fence_t fence, bool count, bool doom)
   count_mapped(c, false);
   if (c.compressed) compressed_bytes_ -= c.size;
   --chunk_count_;
-  retiring_.push_back({c.va, c.size, c.handle, fence});
+  // A handle another retired range still maps (stitched from it) is not released with this range:
+  // it goes idle, and a release under the lock marks its ranges held (note_release_of_aliased).
+  if (doom && aliased(c.handle)) doom = false;
+  retiring_.push_back({c.va, c.size, c.handle, fence, 0, false, doom});
   if (count) ++retired_count_;
   if (doom) {
     doomed_.push_back({c.handle, c.size});

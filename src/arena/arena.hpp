@@ -321,6 +321,10 @@ class arena {
     // the same handle value out again later, so ids, not handles, say what was freed together.
     std::uint64_t released = 0;
     bool unmapping = false;  // a growth in flight unmaps it (see growth::unmaps)
+    // Its handle is released by a growth after the unmap (doomed_): no other range or idle entry
+    // holds it, and once released outside the lock its value may come back from a create before
+    // the range leaves retiring_, so it must not match that new handle (aliased, note_release).
+    bool doomed = false;
   };
   std::vector<retired> retiring_;
   std::size_t retired_held_ = 0;  // bytes of released handles still mapped by retired ranges

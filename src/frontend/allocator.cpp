@@ -453,14 +453,26 @@ std::size_t allocator::usable_size(const void* p) const {
 }
 
 void allocator::trim(std::size_t keep) {
+  impl& m = *p_;
   status st;
-  tcache* mine = p_->tc_enabled ? &p_->my_cache() : nullptr;  // may lock mu itself: first
+  tcache* mine = m.tc_enabled ? &m.my_cache() : nullptr;  // may lock mu itself: first
   {
-    std::lock_guard g(p_->mu);
+    std::unique_lock g(m.mu);
     // This thread's cache goes back first (other threads' caches are theirs: at most
     // thread_cache_slots per class each, returned when those threads end).
-    if (mine) p_->flush_cache(*mine, true);
-    st = p_->hp->trim(keep);
+    if (mine) m.flush_cache(*mine, true);
+    // The chunks and idle handles trim gives back are unmapped and released after the lock is
+    // dropped, as a free's are; trim returns once they are.
+    const bool outside = m.ar->opts().grow_outside_lock;
+    m.ar->defer_releases(outside);
+    st = m.hp->trim(keep);
+    m.ar->defer_releases(false);
+    if (outside && m.ar->park_releases()) {
+      const status ran = run_parked_growth(m, g);
+      m.ar->defer_growth(false);
+      const status refused = m.ar->take_parked_error();  // a refused unmap or release
+      if (st.ok()) st = !ran.ok() ? ran : refused;
+    }
   }
   if (!st.ok()) throw_status(st, "vmm::allocator::trim");
 }

@@ -87,6 +87,11 @@ struct fixture {
     gate = g.get();
     a = std::make_unique<allocator>(std::move(g), o);
   }
+  // A test that stopped early must not leave its gate armed or closed for the teardown's calls.
+  ~fixture() {
+    gate->arm(gate_backend::none);
+    gate->open();
+  }
 };
 
 // Another thread's allocate + free pairs from mapped memory (large and small), then stats() and
@@ -281,6 +286,31 @@ TEST_CASE("the memory limit counts a growth in flight") {
   a.deallocate(p);
   a.deallocate(r.fits);
   if (r.over) a.deallocate(r.over);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("other threads allocate while trim gives chunks back") {
+  // trim(0) unmaps and releases every free chunk and idle handle. Those driver calls run after
+  // trim has dropped the lock, as a free's do; trim returns once they are done.
+  fixture f;
+  allocator& a = *f.a;
+  void* keep = a.allocate(4 * MiB);  // memory the other threads use meanwhile: not given back
+  // The trimming thread frees the block itself: trim returns the calling thread's cache first.
+  auto trimmer = std::async(std::launch::async, [&] {
+    a.deallocate(a.allocate(96 * MiB));
+    f.gate->arm(gate_backend::release_call);
+    a.trim(0);
+  });
+  REQUIRE(f.gate->wait_entered(10s));
+  others_finish_while_gated(f, "allocations waited for another thread's trim to release a chunk");
+  trimmer.get();
+  const auto st = a.stats();
+  CHECK(st.retiring == 0);        // the free chunk's range was unmapped
+  CHECK(st.physical < 96 * MiB);  // and its handle released before trim returned
+  CHECK(st.calls.release >= 1);
+  a.deallocate(keep);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
   CHECK(a.check() == "");
 }
 

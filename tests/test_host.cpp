@@ -316,6 +316,50 @@ TEST_CASE("split_freed_huge: a freed huge block serves other sizes with no drive
   }
 }
 
+TEST_CASE("split_cached_huge: a huge request up to 2x smaller splits a cached block, not remaps it") {
+  for (bool split : {false, true}) {
+    CAPTURE(split);
+    vmm::options o = conf::small_options();
+    o.split_cached_huge = split;
+    o.thread_cache_large = false;
+    auto [hb, a] = vmm::test::make_host_alloc(o);
+    auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
+    const std::size_t huge = std::max<std::size_t>(o.huge_threshold, 64 * MiB) * 2;
+    void* p = a.allocate(huge, 0, s1);
+    a.deallocate(p, s1);  // cached whole
+    const auto c0 = a.stats().calls.total();
+    // 3/4 of it: more than the cache's 1/8 slack, within 2x.
+    void* q = a.allocate(huge / 2 + huge / 4, 0, s1);
+    host_traits::fill(q, huge / 2 + huge / 4, 7);
+    const auto c1 = a.stats().calls.total();
+    if (split) {
+      CHECK(c1 == c0);  // carved from the cached block's memory
+      CHECK(a.stats().physical == huge);
+      // The rest is span memory now: a mid size fits with no driver call either.
+      void* r = a.allocate(huge / 8, 0, s1);
+      CHECK(a.stats().calls.total() == c0);
+      a.deallocate(r, s1);
+    } else {
+      CHECK(c1 > c0);  // its own chunk: the cached one remapped or released and created again
+    }
+    CHECK(host_traits::verify(q, huge / 2 + huge / 4, 7));
+    CHECK(a.check() == "");
+    a.deallocate(q, s1);
+    // A block freed on S1 while S1 runs behind is not S2's to split before S1's fence completes.
+    void* h = a.allocate(huge, 0, s1);
+    hb->hold_stream(s1);
+    a.deallocate(h, s1);
+    void* other = a.allocate(huge / 2 + huge / 4, 0, s2);
+    auto u = reinterpret_cast<std::uintptr_t>(other), b = reinterpret_cast<std::uintptr_t>(h);
+    CHECK_FALSE((u >= b && u < b + huge));
+    hb->complete_stream(s1);
+    a.deallocate(other, s2);
+    CHECK(a.check() == "");
+    a.trim(0);
+    CHECK(a.stats().mapped == 0);
+  }
+}
+
 TEST_CASE("streams: memory freed on S while S runs behind serves S's next growth, not new memory") {
   // The GPU behind the CPU: S's fences stay pending. Free chunks S alone may still use are
   // retired (their handles mapped where S's next request needs them, their old VA unmapped once

@@ -265,6 +265,7 @@ struct heap::impl {
 
   status release_huge(block* b, bool keep_handle, const stream_t* retire_for = nullptr);
   void uncache_huge(block* b);
+  void huge_to_spans(block* b, stream_t x);  // a free huge block's memory becomes span memory
 
   // ---- huge path ----
   // align <= G: chunks of its own are G-aligned; a span block is aligned as asked.

@@ -34,6 +34,23 @@ status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* reti
   return {};
 }
 
+void heap::impl::huge_to_spans(block* b, stream_t x) {
+  const std::uintptr_t va = b->addr;
+  const std::size_t size = b->size;
+  // A freed block keeps its stream order; a fresh one (never handed out) is untagged.
+  const bool tagged = b->flags & f_tagged;
+  const stream_t s = tagged ? b->stream : x;
+  const std::uint64_t fs = tagged ? b->free_seq : 0;
+  for (std::uintptr_t c = va; c < va + size;) {
+    auto& ch = a.get(a.chunk_at(c));
+    ch.owner = kOwnerSpan;
+    c += ch.size;
+  }
+  unlink_page(b);
+  delete_block(b);
+  add_span_range(va, size, s, fs);
+}
+
 void heap::impl::uncache_huge(block* b) {
   auto [lo, hi] = huge_cache.equal_range(b->size);
   for (auto it = lo; it != hi; ++it)
@@ -61,6 +78,17 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   // chunks, or creating). Real training processes change shapes every step, and with them the
   // sizes of their largest blocks: the cache above misses, span memory is there.
   if (!whole_chunks()) {
+    // The smallest cached block up to twice the size is split instead of remapped: no driver
+    // call, at the price of the rest staying span memory (a placement for memory that changes
+    // shape every step; off by default, see options.def).
+    if (a.opts().split_cached_huge)
+      for (auto it = huge_cache.upper_bound(size + size / 8); it != huge_cache.end() && it->first <= 2 * size; ++it) {
+        block* b = it->second;
+        if (!usable(b, x)) continue;
+        huge_cache.erase(it);
+        huge_to_spans(b, x);
+        break;
+      }
     auto sp = allocate_large(n, align, x, false);
     if (!sp.ok() || sp.value) return sp;
   }
@@ -101,18 +129,7 @@ void heap::impl::free_huge(block* b, stream_t s) {
   b->free_seq = ++seq;
   b->set_requested(0);
   if (!exported && !whole_chunks() && a.opts().split_freed_huge) {
-    // Its memory joins the spans: any later request may split it, with no driver call.
-    const std::uintptr_t va = b->addr;
-    const std::size_t size = b->size;
-    const std::uint64_t fs = b->free_seq;
-    for (std::uintptr_t c = va; c < va + size;) {
-      auto& ch = a.get(a.chunk_at(c));
-      ch.owner = kOwnerSpan;
-      c += ch.size;
-    }
-    unlink_page(b);
-    delete_block(b);
-    add_span_range(va, size, s, fs);
+    huge_to_spans(b, s);  // any later request may split it, with no driver call
     return;
   }
   huge_cache.emplace(b->size, b);

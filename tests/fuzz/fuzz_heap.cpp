@@ -28,6 +28,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   o.max_growth = std::size_t{4} << 20;
   if (size && data[0] & 1) o.release_threshold = std::size_t{8} << 20;
   if (size && data[0] & 2) o.split_freed_huge = true;  // freed huge blocks join the spans
+  if (size && data[0] & 4) o.split_cached_huge = true;  // cached huge blocks split on a miss
   vmm::host_backend_options h;
   h.physical_limit = std::size_t{256} << 20;  // small: out-of-memory paths are reachable
   auto a = vmm::allocator::host(o, h);

@@ -271,6 +271,7 @@ TEST_CASE("split_freed_huge: a freed huge block serves other sizes with no drive
     CAPTURE(split);
     vmm::options o = conf::small_options();
     o.split_freed_huge = split;
+    o.split_cached_huge = false;  // without it a cached block is remapped, not split
     o.thread_cache_large = false;
     auto [hb, a] = vmm::test::make_host_alloc(o);
     auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
@@ -409,6 +410,7 @@ TEST_CASE("streams: a freed huge block larger than S's next request serves it wh
   vmm::options o = conf::small_options();
   o.huge_threshold = 32 * MiB;
   o.thread_cache_large = false;  // the heap's path, not this thread's cached block
+  o.split_cached_huge = false;   // the remapping path (the option would carve the block instead)
   auto [hb, a] = vmm::test::make_host_alloc(o);
   auto s1 = host_traits::stream(1);
   void* big = a.allocate(96 * MiB, 0, s1);

@@ -79,8 +79,8 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   // sizes of their largest blocks: the cache above misses, span memory is there.
   if (!whole_chunks()) {
     // The smallest cached block up to twice the size is split instead of remapped: no driver
-    // call, at the price of the rest staying span memory (a placement for memory that changes
-    // shape every step; off by default, see options.def).
+    // call, and the rest stays span memory for the next shapes (training changes its largest
+    // blocks' sizes every step; options.def has what it costs).
     if (a.opts().split_cached_huge)
       for (auto it = huge_cache.upper_bound(size + size / 8); it != huge_cache.end() && it->first <= 2 * size; ++it) {
         block* b = it->second;

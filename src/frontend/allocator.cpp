@@ -118,6 +118,19 @@ status run_parked_growth(allocator_impl& m, std::unique_lock<std::mutex>& lk) {
   return st;
 }
 
+// Runs `f` (a free, a trim) with the chunks and idle handles it gives back set aside, then their
+// unmaps and releases as a growth of their own after dropping lk; returns that growth's status.
+template <class F>
+status with_releases_outside(allocator_impl& m, std::unique_lock<std::mutex>& lk, bool outside, F&& f) {
+  m.ar->defer_releases(outside);
+  f();
+  m.ar->defer_releases(false);
+  if (!outside || !m.ar->park_releases()) return {};
+  const status st = run_parked_growth(m, lk);
+  m.ar->defer_growth(false);  // the mark of an unmap round is an allocation's retry's only
+  return st;
+}
+
 // Ends a request's rounds however they end: defer_growth(false) drops the eviction mark of an
 // unmap round (arena::evicted_for_retry), which is only for the retry of the same request.
 struct rounds_end {
@@ -346,16 +359,13 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
     // Chunks the free gives back (release_threshold, idle decay) are unmapped and released after
     // the lock is dropped, as a growth's driver calls are (see allocate_growing).
     const bool outside = &h == m.hp.get() && m.ar->opts().grow_outside_lock;
-    m.ar->defer_releases(outside);
-    st = h.deallocate(u, s);
-    m.ar->defer_releases(false);
-    if (st.ok() && &h != m.hp.get()) m.after_free(h);
-    // Under mu: another thread cannot reuse the address and trace its allocation first.
-    if (m.trace && st.ok()) [[unlikely]] m.trace->event('f', u, req, s);
-    if (outside && m.ar->park_releases()) {
-      (void)run_parked_growth(m, g);  // a refused unmap stays retired, a refused release parked
-      m.ar->defer_growth(false);      // the mark of an unmap round is an allocation's retry's only
-    }
+    // A refused unmap stays retired, a refused release parked: the free itself succeeded.
+    (void)with_releases_outside(m, g, outside, [&] {
+      st = h.deallocate(u, s);
+      if (st.ok() && &h != m.hp.get()) m.after_free(h);
+      // Under mu: another thread cannot reuse the address and trace its allocation first.
+      if (m.trace && st.ok()) [[unlikely]] m.trace->event('f', u, req, s);
+    });
   }
   if (!st.ok()) set_last_error(st, "deallocate");
   return st;
@@ -463,16 +473,10 @@ void allocator::trim(std::size_t keep) {
     if (mine) m.flush_cache(*mine, true);
     // The chunks and idle handles trim gives back are unmapped and released after the lock is
     // dropped, as a free's are; trim returns once they are.
-    const bool outside = m.ar->opts().grow_outside_lock;
-    m.ar->defer_releases(outside);
-    st = m.hp->trim(keep);
-    m.ar->defer_releases(false);
-    if (outside && m.ar->park_releases()) {
-      const status ran = run_parked_growth(m, g);
-      m.ar->defer_growth(false);
-      const status refused = m.ar->take_parked_error();  // a refused unmap or release
-      if (st.ok()) st = !ran.ok() ? ran : refused;
-    }
+    const status ran = with_releases_outside(m, g, m.ar->opts().grow_outside_lock, [&] { st = m.hp->trim(keep); });
+    // heap::trim took what was parked before; what is parked now is its growth's refused unmap
+    // or release.
+    if (st.ok()) st = !ran.ok() ? ran : m.ar->take_parked_error();
   }
   if (!st.ok()) throw_status(st, "vmm::allocator::trim");
 }

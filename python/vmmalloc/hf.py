@@ -249,14 +249,13 @@ class VmmCache(Cache):
         self._flat = self._kv.flat_tensor(k.dtype)
         st = self._kv.strides()
         hd = int(H) * int(D)
-        self._hd = st[3]                                  # elements per token of a group
-        self._strides = (hd, int(D), self._hd, 1)         # [row, head, token, dim]: a [B, H, T, D] view
-        self._offsets = [((l // per) * st[0] + 2 * (l % per) * rows * hd,
-                          (l // per) * st[0] + (2 * (l % per) + 1) * rows * hd) for l in range(L)]
-        # The decode path narrows these (cheap views) instead of building strided views each token.
+        strides = (hd, int(D), st[3], 1)  # [row, head, token, dim] (st[3]: elements per token of a group)
+        offsets = [((l // per) * st[0] + 2 * (l % per) * rows * hd,
+                    (l // per) * st[0] + (2 * (l % per) + 1) * rows * hd) for l in range(L)]
+        # Every view of a layer (_view) narrows these: the strided layout is built once per layout.
         full = (rows, int(H), self._max_cache_len, int(D))
-        self._full = [(torch.as_strided(self._flat, full, self._strides, ok),
-                       torch.as_strided(self._flat, full, self._strides, ov)) for ok, ov in self._offsets]
+        self._full = [(torch.as_strided(self._flat, full, strides, ok), torch.as_strided(self._flat, full, strides, ov))
+                      for ok, ov in offsets]
 
     def _check_states(self, layer, k, v):
         if k.dim() != 4 or v.shape != k.shape:
@@ -276,8 +275,10 @@ class VmmCache(Cache):
 
     def _view(self, layer, kind, rows, start, n):
         """[rows, H, n, D] over tokens [start, start + n) of K (kind 0) or V (1) of a layer."""
-        return torch.as_strided(self._flat, (rows, self._H, n, self._D), self._strides,
-                                self._offsets[layer][kind] + start * self._hd)
+        t = self._full[layer][kind]
+        if rows != self._max_batch_size:
+            t = t.narrow(0, 0, rows)
+        return t.narrow(2, start, n)
 
     def _update(self, l, k, v):
         layer = self.layers[l]
@@ -296,14 +297,11 @@ class VmmCache(Cache):
         new = old + n
         if new > self._tokens:
             self._grow(new)
-        kf, vf = self._full[l]
-        if B != self._max_batch_size:
-            kf, vf = kf.narrow(0, 0, B), vf.narrow(0, 0, B)
         if n:
             # K and V in one op: a decode step's two writes are one multi-tensor kernel instead of
             # two copies (each a cudaMemcpyAsync, ~12 us of host time, 32 a step at 16 layers).
-            _copy2(kf.narrow(2, old, n), vf.narrow(2, old, n), k, v)
-        keys, values = kf.narrow(2, 0, new), vf.narrow(2, 0, new)
+            _copy2(self._view(l, 0, B, old, n), self._view(l, 1, B, old, n), k, v)
+        keys, values = self._view(l, 0, B, 0, new), self._view(l, 1, B, 0, new)
         layer.keys, layer.values, layer.cached = keys, values, new
         return keys, values
 

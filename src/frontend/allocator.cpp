@@ -2,10 +2,13 @@
 // allocator: the C++ front end.
 //
 // Locks, in the order they may be taken (never the reverse):
-//   1. cache_registry_mutex() (global) thread-cache registration, thread exit, allocator destruction
-//   2. impl::mu      (per allocator) heap and arena; unmapping and releasing happen under it,
-//                    while a growth's create / map / set_access run after it is dropped
-//                    (allocate_growing), on a VA range and handles set aside under it
+//   1. cache_registry_mutex() (global) thread-cache registration, the counters of a thread's exit,
+//                    stats(), allocator destruction
+//   2. impl::mu      (per allocator) heap and arena. A growth's create / map / set_access and
+//                    the unmaps and releases of frees, cache flushes and trim run after it is
+//                    dropped (allocate_growing, releases_outside), on VA ranges and handles set
+//                    aside under it; fences, the out-of-memory reclaim, graph pools and
+//                    exportable memory still call the driver under it
 //   3. backend's own registry mutex (host backend), taken inside backend calls
 // The hot path (a small size whose thread-cache bin is non-empty, or a free into a bin with room)
 // takes none of them: it pops or pushes a per-thread stack and flips the slot's state byte.
@@ -62,10 +65,12 @@ allocator::allocator(const options& o) : allocator(make_cuda(o.device), o) {}
 allocator::~allocator() {
   if (!p_) return;
   {
-    // Detach every thread's cache: their slots die with the arena below.
-    std::lock_guard g(cache_registry_mutex());
+    // Detach every thread's cache: their slots die with the arena below. A thread's exit that
+    // already took its cache's owner finishes first (it flushes without the registry's lock).
+    std::unique_lock g(cache_registry_mutex());
     for (auto& c : p_->caches) c->owner = nullptr;
     p_->caches.clear();
+    p_->exits_done.wait(g, [&] { return p_->exiting == 0; });
   }
   forget_thread_cache(p_->id);
   p_->pools.clear();  // metadata first, then the arena unmaps and releases everything
@@ -98,6 +103,16 @@ std::string allocator_impl::out_of_memory_detail() const {
   return d + ")";
 }
 
+status allocator::impl::run_parked_growth(std::unique_lock<std::mutex>& lk) {
+  arena::growth g = ar->take_growth();
+  lk.unlock();
+  ar->run_growth(g);
+  lk.lock();
+  status st = ar->finish_growth(g);
+  if (st.ok() && g.size) hp->adopt_growth(g);
+  return st;
+}
+
 namespace {
 // Under lk: attempt(defer) is one try of a heap's allocate. A growth of the own heap it parked
 // (arena::defer_growth) runs without lk: its driver calls (create, map, set_access: tens of
@@ -108,29 +123,6 @@ namespace {
 // alone (retired ranges, chunks evicted for stitching: their VA back before the growth is
 // placed). After kRounds rounds (other threads took the memory first) the try runs under lk.
 constexpr int kRounds = 3;
-status run_parked_growth(allocator_impl& m, std::unique_lock<std::mutex>& lk) {
-  arena::growth g = m.ar->take_growth();
-  lk.unlock();
-  m.ar->run_growth(g);
-  lk.lock();
-  status st = m.ar->finish_growth(g);
-  if (st.ok() && g.size) m.hp->adopt_growth(g);
-  return st;
-}
-
-// Runs `f` (a free, a trim) with the chunks and idle handles it gives back set aside, then their
-// unmaps and releases as a growth of their own after dropping lk; returns that growth's status.
-template <class F>
-status with_releases_outside(allocator_impl& m, std::unique_lock<std::mutex>& lk, bool outside, F&& f) {
-  m.ar->defer_releases(outside);
-  f();
-  m.ar->defer_releases(false);
-  if (!outside || !m.ar->park_releases()) return {};
-  const status st = run_parked_growth(m, lk);
-  m.ar->defer_growth(false);  // the mark of an unmap round is an allocation's retry's only
-  return st;
-}
-
 // Ends a request's rounds however they end: defer_growth(false) drops the eviction mark of an
 // unmap round (arena::evicted_for_retry), which is only for the retry of the same request.
 struct rounds_end {
@@ -146,7 +138,7 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
     result<std::uintptr_t> r = attempt(defer);
     if (!m.ar->pending_growth()) return r;
     ++deferred;
-    const status st = run_parked_growth(m, lk);
+    const status st = m.run_parked_growth(lk);
     // A try that parked a growth failed, unless it is a refill that got some slots before it
     // needed a new slab: those stand, whatever the growth did.
     if (r.ok()) return r;
@@ -211,20 +203,21 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
   std::string why;
   {
     std::unique_lock g(m.mu);
-    r = allocate_growing(m, g, [&](bool defer) {
+    auto attempt = [&](bool defer) {
       heap& h = m.heap_for(s);
       m.ar->defer_growth(defer && &h == m.hp.get());
       auto x = h.allocate(bytes, alignment, s);  // reclaims and retries once inside
       m.ar->defer_growth(false);
       return x;
-    });
-    heap& h = m.heap_for(s);
+    };
+    r = allocate_growing(m, g, attempt);
     if (!r.ok() && r.st.kind == errc::out_of_memory) {
-      // This thread's cached slots may pin slabs the heap could give back: return them, try again.
+      // This thread's cached slots may pin slabs the heap could give back: return them (what
+      // that gives back is unmapped and released outside the lock), try again.
       if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->holds_any() &&
           bytes <= m.ar->reservation_size()) {
-        m.flush_cache(*tl_cache, true);
-        r = h.allocate(bytes, alignment, s);
+        (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(*tl_cache, true); });
+        r = allocate_growing(m, g, attempt);
       }
       if (!r.ok()) why = m.out_of_memory_detail();
     }
@@ -260,9 +253,10 @@ void* allocator::allocate_large_cached(std::size_t bytes, std::size_t alignment,
     std::unique_lock g(m.mu);
     // The cached block goes back first: the heap may need its memory for this request. Not for a
     // request the heap refuses before looking (past the reservation): bad input changes nothing.
-    if (bytes <= m.ar->reservation_size()) m.return_large(c);
+    if (bytes <= m.ar->reservation_size() && c.large.cached)
+      (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.return_large(c); });
     heap::block_ref ref;
-    r = allocate_growing(m, g, [&](bool defer) {
+    auto attempt = [&](bool defer) {
       result<std::uintptr_t> x;
       if (m.captures.empty()) {  // a pool begun meanwhile: its heap decides, not the cache
         m.ar->defer_growth(defer);
@@ -272,10 +266,11 @@ void* allocator::allocate_large_cached(std::size_t bytes, std::size_t alignment,
         x = m.heap_for(s).allocate(bytes, alignment, s);
       }
       return x;
-    });
+    };
+    r = allocate_growing(m, g, attempt);
     if (!r.ok() && r.st.kind == errc::out_of_memory && bytes <= m.ar->reservation_size()) {
-      m.flush_cache(c, true);
-      r = m.captures.empty() ? m.hp->allocate_cacheable(bytes, alignment, s, ref) : m.heap_for(s).allocate(bytes, alignment, s);
+      (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(c, true); });
+      r = allocate_growing(m, g, attempt);
       if (!r.ok()) why = m.out_of_memory_detail();
     }
     if (r.ok() && ref.blk) {
@@ -334,9 +329,9 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
     std::uint16_t expect = r.word(1);
     if ((b.n.get() == 0 || b.stream == s) &&
         r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel)) {  // the fast path
-      if (b.n.get() == m.tc_cap) {
-        std::lock_guard g(m.mu);
-        m.flush_cache(c, false);
+      if (b.n.get() == m.tc_cap) {  // half the bin back (chunks it frees go back after the lock)
+        std::unique_lock g(m.mu);
+        (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(c, false); });
       }
       const std::uint32_t req = r.req->load(std::memory_order_relaxed);
       c.req_delta.add(-std::uint64_t{req});
@@ -360,7 +355,7 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
     // the lock is dropped, as a growth's driver calls are (see allocate_growing).
     const bool outside = &h == m.hp.get() && m.ar->opts().grow_outside_lock;
     // A refused unmap stays retired, a refused release parked: the free itself succeeded.
-    (void)with_releases_outside(m, g, outside, [&] {
+    (void)m.releases_outside(g, outside, [&] {
       st = h.deallocate(u, s);
       if (st.ok() && &h != m.hp.get()) m.after_free(h);
       // Under mu: another thread cannot reuse the address and trace its allocation first.
@@ -469,11 +464,13 @@ void allocator::trim(std::size_t keep) {
   {
     std::unique_lock g(m.mu);
     // This thread's cache goes back first (other threads' caches are theirs: at most
-    // thread_cache_slots per class each, returned when those threads end).
-    if (mine) m.flush_cache(*mine, true);
-    // The chunks and idle handles trim gives back are unmapped and released after the lock is
-    // dropped, as a free's are; trim returns once they are.
-    const status ran = with_releases_outside(m, g, m.ar->opts().grow_outside_lock, [&] { st = m.hp->trim(keep); });
+    // thread_cache_slots per class each, returned when those threads end). The chunks and idle
+    // handles trim gives back are unmapped and released after the lock is dropped, as a free's
+    // are; trim returns once they are.
+    const status ran = m.releases_outside(g, m.releases_leave_lock(), [&] {
+      if (mine) m.flush_cache(*mine, true);
+      st = m.hp->trim(keep);
+    });
     // heap::trim took what was parked before; what is parked now is its growth's refused unmap
     // or release.
     if (st.ok()) st = !ran.ok() ? ran : m.ar->take_parked_error();

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -58,6 +59,8 @@ struct allocator::impl {
   std::vector<std::shared_ptr<tcache>> caches;
   std::uint64_t retired_req = 0, retired_allocs = 0, retired_frees = 0, retired_refilled = 0,
                 retired_flushed = 0;
+  int exiting = 0;                      // thread exits flushing a cache of this allocator now
+  std::condition_variable exits_done;   // exiting fell to 0 (the destructor waits for it)
   std::unique_ptr<trace_writer> trace;  // null unless options.trace_path is set
   std::uint64_t exported = 0;           // under mu
 
@@ -78,6 +81,27 @@ struct allocator::impl {
   tcache& my_cache_slow();  // first use on this thread, or another allocator's cache was last
   void flush_cache(tcache& c, bool all);  // caller holds mu
   void return_large(tcache& c);           // caller holds mu: the cached large block back to the heap
+
+  // Runs the growth the arena parked (arena::defer_growth, park_releases) without lk: its driver
+  // calls (create, map, set_access, unmap, release: microseconds to milliseconds each) hold up no
+  // other thread. Then installs it under lk again (allocator.cpp).
+  status run_parked_growth(std::unique_lock<std::mutex>& lk);
+  // Runs f (a free, a trim, a cache flush: anything that may give chunks back) under lk with the
+  // chunks and idle handles it gives back set aside; their unmaps and releases then run as a
+  // growth of their own after lk is dropped. Returns that growth's status (a refusal leaves the
+  // range retired or the handle parked: f itself succeeded). outside false: all of it under lk.
+  template <class F>
+  status releases_outside(std::unique_lock<std::mutex>& lk, bool outside, F&& f) {
+    ar->defer_releases(outside);
+    f();
+    ar->defer_releases(false);
+    if (!outside || !ar->park_releases()) return {};
+    const status st = run_parked_growth(lk);
+    ar->defer_growth(false);  // the mark of an unmap round is an allocation's retry's only
+    return st;
+  }
+  // Whether the own heap's releases run outside the lock (releases_outside's `outside`).
+  bool releases_leave_lock() const { return ar->opts().grow_outside_lock; }
 };
 
 }  // namespace vmm

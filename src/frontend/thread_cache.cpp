@@ -16,21 +16,29 @@ namespace {
 struct tl_caches {
   std::vector<std::pair<std::uint64_t, std::shared_ptr<tcache>>> all;
   ~tl_caches() {
-    std::lock_guard g(cache_registry_mutex());
     for (auto& [id, c] : all) {
-      allocator_impl* o = c->owner;
-      if (!o) continue;
+      allocator_impl* o = nullptr;
       {
-        std::lock_guard h(o->mu);
-        o->flush_cache(*c, true);
+        std::lock_guard g(cache_registry_mutex());
+        o = c->owner;
+        if (!o) continue;
+        ++o->exiting;  // the allocator's destructor waits for this exit to finish
+      }
+      {
+        // Neither lock is held while the chunks the slots free are unmapped and released:
+        // another thread's allocation, stats() or first use wait for no driver call here.
+        std::unique_lock h(o->mu);
+        (void)o->releases_outside(h, o->releases_leave_lock(), [&] { o->flush_cache(*c, true); });
         o->hp->set_cache_tag(c->tag, false);  // its slabs are free for others to take
       }
+      std::lock_guard g(cache_registry_mutex());
       o->retired_req += c->req_delta.get();
       o->retired_allocs += c->fast_allocs.get();
       o->retired_frees += c->fast_frees.get();
       o->retired_refilled += c->refilled.get();
       o->retired_flushed += c->flushed.get();
       std::erase(o->caches, c);
+      if (--o->exiting == 0) o->exits_done.notify_all();
     }
   }
 };

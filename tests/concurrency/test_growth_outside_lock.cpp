@@ -55,11 +55,11 @@ class gate_backend final : public forwarding_backend {
     std::unique_lock l(mu_);
     return cv_.wait_for(l, t, [&] { return entered_; });
   }
+  // Notifies under the mutex: a held thread that wakes early may let the test destroy the gate
+  // (with its allocator) right after.
   void open() {
-    {
-      std::lock_guard l(mu_);
-      open_ = true;
-    }
+    std::lock_guard l(mu_);
+    open_ = true;
     cv_.notify_all();
   }
 
@@ -89,6 +89,7 @@ struct fixture {
   }
   // A test that stopped early must not leave its gate armed or closed for the teardown's calls.
   ~fixture() {
+    if (!a) return;  // destroyed by the test, the gate with it
     gate->arm(gate_backend::none);
     gate->open();
   }
@@ -96,31 +97,59 @@ struct fixture {
 
 // Another thread's allocate + free pairs from mapped memory (large and small), then stats() and
 // check(): pairs that succeeded, and what check() found.
+std::pair<int, std::string> others_loop(allocator& a) {
+  int ok = 0;
+  for (int i = 0; i < 200; ++i) {
+    void* p = a.try_allocate(1 * MiB + 4096 * (i % 7));  // the large path: under the lock
+    void* q = a.try_allocate(3000);                       // a small class
+    if (p && q) ++ok;
+    a.deallocate(q);
+    a.deallocate(p);
+  }
+  (void)a.stats();
+  return std::make_pair(ok, a.check());
+}
 std::future<std::pair<int, std::string>> start_others(allocator& a) {
-  return std::async(std::launch::async, [&a] {
-    int ok = 0;
-    for (int i = 0; i < 200; ++i) {
-      void* p = a.try_allocate(1 * MiB + 4096 * (i % 7));  // the large path: under the lock
-      void* q = a.try_allocate(3000);                       // a small class
-      if (p && q) ++ok;
-      a.deallocate(q);
-      a.deallocate(p);
-    }
-    (void)a.stats();
-    return std::make_pair(ok, a.check());
-  });
+  return std::async(std::launch::async, [&a] { return others_loop(a); });
 }
 
 // While a driver call sits in the gate, other threads allocate and free from mapped memory: they
 // must finish before the gate opens (`why` is the failure message), without losing a block.
-void others_finish_while_gated(fixture& f, const char* why) {
-  auto others = start_others(*f.a);
+void others_finish_while_gated(fixture& f, const char* why,
+                               std::future<std::pair<int, std::string>> others = {}) {
+  if (!others.valid()) others = start_others(*f.a);
   const bool finished = others.wait_for(10s) == std::future_status::ready;
   CHECK_MESSAGE(finished, why);
   f.gate->open();
   auto [ok, problems] = others.get();
   CHECK(ok == 200);
   CHECK(problems == "");
+}
+
+// start_others on a thread whose cache is registered before `go`: a thread's first allocation
+// registers its cache under a global lock, which a thread that is exiting holds.
+std::future<std::pair<int, std::string>> start_registered_others(allocator& a, std::shared_future<void> go) {
+  std::promise<void> ready;
+  auto registered = ready.get_future();
+  auto f = std::async(std::launch::async, [&a, go, r = std::move(ready)]() mutable {
+    a.deallocate(a.allocate(3000));
+    r.set_value();
+    go.wait();
+    return others_loop(a);
+  });
+  registered.wait();
+  return f;
+}
+
+// A thread that frees small slots of its own, all of one fresh chunk, into its cache: the
+// chunk is wholly free once the cache gives them back. Returns the chunk's bytes.
+std::size_t cache_a_chunk(allocator& a, int slots) {
+  const std::size_t before = a.stats().mapped;
+  std::vector<void*> v;
+  for (int i = 0; i < slots; ++i) v.push_back(a.allocate(60 * 1024));
+  const std::size_t grown = a.stats().mapped - before;
+  for (void* p : v) a.deallocate(p);
+  return grown;
 }
 
 // While `grower` is blocked in the gated call, `others` must finish: it needs the allocator's
@@ -244,6 +273,112 @@ TEST_CASE("other threads allocate while a free gives its chunk back") {
   a.trim(0);
   CHECK(a.stats().physical == 0);
   CHECK(a.check() == "");
+}
+
+TEST_CASE("other threads allocate while a thread cache gives a chunk back") {
+  // release_threshold 0: slots returned from a thread cache that leave a chunk wholly free unmap
+  // and release it. Those driver calls run after the lock is dropped, as a free's do, whichever
+  // way the slots go back: the thread's exit, a full bin, trim's return of the caller's cache.
+  options o;
+  o.release_threshold = 0;
+  fixture f(o);
+  allocator& a = *f.a;
+  void* keep = a.allocate(4 * MiB);  // memory the other threads use meanwhile: not given back
+  // Declared in this order, a test stopped early opens the gate, then lets the others go, then
+  // waits for them.
+  std::future<std::pair<int, std::string>> others;
+  std::promise<void> go;
+  struct opener {
+    fixture& f;
+    ~opener() {
+      f.gate->arm(gate_backend::none);
+      f.gate->open();
+    }
+  } open_at_end{f};
+  others = start_registered_others(a, go.get_future().share());
+  const auto released_before = a.stats().calls.release;
+  std::size_t cached = 0;
+
+  SUBCASE("at the thread's exit") {
+    struct joined {
+      std::thread t;
+      fixture& f;
+      ~joined() {
+        f.gate->open();
+        if (t.joinable()) t.join();
+      }
+    } j{std::thread([&] {
+          cached = cache_a_chunk(a, 16);  // fits the bin: nothing goes back before the exit
+          f.gate->arm(gate_backend::release_call);
+        }),
+        f};
+    REQUIRE(f.gate->wait_entered(10s));
+    go.set_value();
+    others_finish_while_gated(f, "allocations waited for an exiting thread's cache to release a chunk",
+                              std::move(others));
+    j.t.join();
+  }
+  SUBCASE("when a full bin goes back") {
+    auto freer = std::async(std::launch::async, [&] {
+      std::vector<void*> v;
+      for (int i = 0; i < 200; ++i) v.push_back(a.allocate(60 * 1024));
+      f.gate->arm(gate_backend::release_call);
+      // Every 17th free returns half the bin: the later chunks' slots go back, wholly.
+      for (void* p : v) a.deallocate(p);
+    });
+    REQUIRE(f.gate->wait_entered(10s));
+    go.set_value();
+    others_finish_while_gated(f, "allocations waited for a thread's full bin to release a chunk", std::move(others));
+    freer.get();
+    cached = 1;
+  }
+  SUBCASE("when trim returns the caller's cache") {
+    auto trimmer = std::async(std::launch::async, [&] {
+      cached = cache_a_chunk(a, 16);
+      f.gate->arm(gate_backend::release_call);
+      a.trim(0);
+    });
+    REQUIRE(f.gate->wait_entered(10s));
+    go.set_value();
+    others_finish_while_gated(f, "allocations waited for trim's return of a thread cache", std::move(others));
+    trimmer.get();
+  }
+  CHECK(cached > 0);  // the slots had a chunk of their own
+  CHECK(a.stats().calls.release > released_before);
+  a.deallocate(keep);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("an allocator destroyed while a thread's exit gives a chunk back waits for that exit") {
+  // The exiting thread flushes its cache without the registry's lock: the destructor must not
+  // free the heap under it (ASan and TSan see it if it does).
+  options o;
+  o.release_threshold = 0;
+  fixture f(o);
+  gate_backend* gate = f.gate;
+  // The layout of the test above: the slots get a chunk of their own.
+  void* keep = f.a->allocate(4 * MiB);
+  std::thread([&] { f.a->deallocate(f.a->allocate(3000)); }).join();
+  std::thread t([&] {
+    (void)cache_a_chunk(*f.a, 16);
+    gate->arm(gate_backend::release_call);
+  });
+  if (!gate->wait_entered(10s)) {
+    gate->open();
+    t.join();
+    FAIL("the exiting thread released no chunk");
+  }
+  auto destroyer = std::async(std::launch::async, [&] {
+    f.a->deallocate(keep);
+    f.a.reset();
+  });
+  CHECK(destroyer.wait_for(200ms) == std::future_status::timeout);  // waits for the exit
+  gate->open();
+  destroyer.get();
+  t.join();
+  CHECK(f.a == nullptr);
 }
 
 TEST_CASE("the memory limit counts a growth in flight") {

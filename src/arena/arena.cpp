@@ -306,10 +306,11 @@ void arena::take_ready_unmaps(growth& g) {
     }
 }
 
-bool arena::park_releases() {
-  if (pending_ || doomed_.empty()) return false;
+bool arena::park_releases(bool ready_unmaps) {
+  if (pending_ || (doomed_.empty() && !ready_unmaps)) return false;
   growth g;
   take_ready_unmaps(g);
+  if (doomed_.empty() && g.unmaps.empty()) return false;  // nothing was marked
   g.releases = std::move(doomed_);
   doomed_.clear();
   pending_.emplace(std::move(g));
@@ -569,15 +570,15 @@ bool arena::take_back(mem_handle h, std::size_t size) {
 
 status arena::evict_chunk(std::uint32_t id, bool keep_handle) {
   if (!keep_handle && defer_rel_) {  // given back by a free: unmapped and released after its lock
-    retire_chunk(id, 0, false, true);
+    retire_chunk(id, 0, nullptr, false, true);
     return {};
   }
   if (!keep_handle || !deferring()) return unmap_chunk(id, keep_handle);
-  retire_chunk(id, 0, false);
+  retire_chunk(id, 0, nullptr, false);
   return {};
 }
 
-void arena::retire_chunk(std::uint32_t id, fence_t fence, bool count, bool doom) {
+void arena::retire_chunk(std::uint32_t id, fence_t fence, stream_t stream, bool count, bool doom) {
   chunk& c = chunks_[id];
   assert(c.size && c.used == 0);
   lru_remove(id);
@@ -589,7 +590,7 @@ void arena::retire_chunk(std::uint32_t id, fence_t fence, bool count, bool doom)
   // A handle another retired range still maps (stitched from it) is not released with this range:
   // it goes idle, and a release under the lock marks its ranges held (note_release_of_aliased).
   if (doom && aliased(c.handle)) doom = false;
-  retiring_.push_back({c.va, c.size, c.handle, fence, 0, false, doom});
+  retiring_.push_back({c.va, c.size, c.handle, fence, 0, stream, false, doom});
   if (count) ++retired_count_;
   if (doom) {
     doomed_.push_back({c.handle, c.size});
@@ -601,7 +602,7 @@ void arena::retire_chunk(std::uint32_t id, fence_t fence, bool count, bool doom)
   free_slots_.push_back(id);
 }
 
-status arena::poll_retiring(bool wait) {
+status arena::poll_retiring(bool wait, std::vector<stream_t>* wait_out) {
   status first{};
   for (std::size_t i = 0; i < retiring_.size();) {
     retired& r = retiring_[i];
@@ -610,7 +611,9 @@ status arena::poll_retiring(bool wait) {
       continue;
     }
     if (r.fence && !drv_.fence_done(r.fence)) {
-      if (!wait) {
+      if (!wait || wait_out) {
+        if (wait && std::find(wait_out->begin(), wait_out->end(), r.stream) == wait_out->end())
+          wait_out->push_back(r.stream);
         ++i;
         continue;
       }
@@ -619,6 +622,10 @@ status arena::poll_retiring(bool wait) {
         ++i;
         continue;
       }
+    }
+    if (defer_rel_ || deferring()) {  // the parked round unmaps it outside the lock
+      ++i;
+      continue;
     }
     if (status u = vm::driver::twice([&] { return drv_.unmap(r.va, r.size); }); !u.ok()) {
       if (first.ok()) first = u;  // stays mapped: retried by the next poll

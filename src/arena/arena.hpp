@@ -165,8 +165,10 @@ class arena {
   // fence and their handles set aside instead of unmapped and released under the lock;
   // park_releases() then makes those driver calls a growth of their own (pieces empty), which the
   // front end runs outside its lock.
+  // ready_unmaps: also the unmaps of retired ranges whose streams caught up (trim), which a free
+  // leaves to the next growth (each would cost a fence query).
   void defer_releases(bool on) { defer_rel_ = on && !whole_chunks_; }
-  bool park_releases();
+  bool park_releases(bool ready_unmaps = false);
   // defer_growth(false) ends a try: a retry's eviction mark goes with it.
   void defer_growth(bool on) {
     defer_ = on;
@@ -197,14 +199,17 @@ class arena {
   // work first); its VA stays mapped, out of the holes, until `fence` (recorded on that stream,
   // owned by the arena now) completes. No driver call but the fence; the unmap comes later.
   // doom: its handle is released once its range is unmapped (defer_releases), not kept idle.
-  void retire_chunk(std::uint32_t id, fence_t fence, bool count = true, bool doom = false);
+  void retire_chunk(std::uint32_t id, fence_t fence, stream_t stream = nullptr, bool count = true,
+                    bool doom = false);
   // A free chunk whose handle a growth is about to map elsewhere (stitching): unmap_chunk, or,
   // while a growth is being deferred, retired with no fence, so that growth unmaps the old range
   // with its own driver calls outside the lock (growth::unmaps). No stream uses it.
   status evict_chunk(std::uint32_t id, bool keep_handle);
   // Unmaps retired ranges whose fences completed (wait: waits for them first). Their VA returns to
-  // the holes. Called before mapping, by release_idle, trim and teardown.
-  status poll_retiring(bool wait);
+  // the holes. Called before mapping, by release_idle, trim and teardown. wait_out: instead of
+  // waiting, the streams of unfinished fences are added there (waited for outside the lock). While
+  // releases or a growth are deferred the unmaps are left to the parked round.
+  status poll_retiring(bool wait, std::vector<stream_t>* wait_out = nullptr);
 
   // Heap bookkeeping: bytes of live blocks per chunk; a chunk at 0 joins the free-chunk LRU.
   void add_used(std::uint32_t id, std::size_t n);
@@ -320,6 +325,7 @@ class arena {
     // elsewhere, retired again); a release marks them all with one id, and the driver may hand
     // the same handle value out again later, so ids, not handles, say what was freed together.
     std::uint64_t released = 0;
+    stream_t stream = nullptr;  // where `fence` was recorded (a wait outside the lock records another)
     bool unmapping = false;  // a growth in flight unmaps it (see growth::unmaps)
     // Its handle is released by a growth after the unmap (doomed_): no other range or idle entry
     // holds it, and once released outside the lock its value may come back from a create before

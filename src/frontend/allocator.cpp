@@ -4,11 +4,12 @@
 // Locks, in the order they may be taken (never the reverse):
 //   1. cache_registry_mutex() (global) thread-cache registration, the counters of a thread's exit,
 //                    stats(), allocator destruction
-//   2. impl::mu      (per allocator) heap and arena. A growth's create / map / set_access and
-//                    the unmaps and releases of frees, cache flushes and trim run after it is
-//                    dropped (allocate_growing, releases_outside), on VA ranges and handles set
-//                    aside under it; fences, the out-of-memory reclaim, graph pools and
-//                    exportable memory still call the driver under it
+//   2. impl::mu      (per allocator) heap and arena. A growth's create / map / set_access, the
+//                    unmaps and releases of frees, cache flushes and trim, and the waits of trim
+//                    and the out-of-memory reclaim for a stream run after it is dropped
+//                    (allocate_growing, releases_outside, wait_streams), on VA ranges and handles
+//                    set aside under it; fence records and queries, graph pools and exportable
+//                    memory still call the driver under it
 //   3. backend's own registry mutex (host backend), taken inside backend calls
 // The hot path (a small size whose thread-cache bin is non-empty, or a free into a bin with room)
 // takes none of them: it pops or pushes a per-thread stack and flips the slot's state byte.
@@ -113,6 +114,29 @@ status allocator::impl::run_parked_growth(std::unique_lock<std::mutex>& lk) {
   return st;
 }
 
+void allocator::impl::wait_streams(std::unique_lock<std::mutex>& lk, std::vector<stream_t> streams) {
+  struct wait {
+    stream_t s;
+    fence_t f;
+    std::uint64_t point;  // the own heap's frees this fence comes after
+    bool done;
+  };
+  std::vector<wait> ws;
+  auto& d = ar->drv();
+  for (stream_t s : streams) {
+    if (d.capturing(s)) continue;  // no fence into a capture: the locked path reports it
+    auto f = d.record_fence(s);
+    if (f.ok()) ws.push_back({s, f.value, hp->order_point(), false});
+  }
+  lk.unlock();
+  for (auto& w : ws) w.done = d.wait_fence(w.f).ok();
+  lk.lock();
+  for (auto& w : ws) {
+    if (w.done) hp->note_waited(w.s, w.point);
+    d.drop_fence(w.f);
+  }
+}
+
 namespace {
 // Under lk: attempt(defer) is one try of a heap's allocate. A growth of the own heap it parked
 // (arena::defer_growth) runs without lk: its driver calls (create, map, set_access: tens of
@@ -122,7 +146,9 @@ namespace {
 // the heap's fallbacks (smaller growth, eviction, reclaim) as before. A round may be unmaps
 // alone (retired ranges, chunks evicted for stitching: their VA back before the growth is
 // placed). After kRounds rounds (other threads took the memory first) the try runs under lk.
-constexpr int kRounds = 3;
+// A try that found no memory but some the GPU is still using (the out-of-memory reclaim) waits for
+// those streams without lk, then tries again; after kWaitRounds it waits under lk.
+constexpr int kRounds = 3, kWaitRounds = 2;
 // Ends a request's rounds however they end: defer_growth(false) drops the eviction mark of an
 // unmap round (arena::evicted_for_retry), which is only for the retry of the same request.
 struct rounds_end {
@@ -133,10 +159,18 @@ struct rounds_end {
 template <class F>
 result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& attempt) {
   rounds_end end{*m.ar};
-  int deferred = 0;
+  int deferred = 0, waited = 0;
   for (bool defer = m.ar->opts().grow_outside_lock;; defer = defer && deferred < kRounds) {
+    m.hp->defer_waits(defer && waited < kWaitRounds);
     result<std::uintptr_t> r = attempt(defer);
-    if (!m.ar->pending_growth()) return r;
+    m.hp->defer_waits(false);
+    std::vector<stream_t> waits = m.hp->take_waits();
+    if (!m.ar->pending_growth()) {
+      if (r.ok() || r.st.kind != errc::out_of_memory || waits.empty()) return r;
+      ++waited;
+      m.wait_streams(lk, std::move(waits));
+      continue;
+    }
     ++deferred;
     const status st = m.run_parked_growth(lk);
     // A try that parked a growth failed, unless it is a refill that got some slots before it
@@ -466,11 +500,26 @@ void allocator::trim(std::size_t keep) {
     // This thread's cache goes back first (other threads' caches are theirs: at most
     // thread_cache_slots per class each, returned when those threads end). The chunks and idle
     // handles trim gives back are unmapped and released after the lock is dropped, as a free's
-    // are; trim returns once they are.
-    const status ran = m.releases_outside(g, m.releases_leave_lock(), [&] {
-      if (mine) m.flush_cache(*mine, true);
-      st = m.hp->trim(keep);
-    });
+    // are; trim returns once they are. Chunks a stream still uses are waited for without the
+    // lock too: a first round skips them, the second gives them back once their streams caught up.
+    const bool outside = m.releases_leave_lock();
+    status ran;
+    for (int round = 0; round < 2; ++round) {
+      ran = m.releases_outside(g, outside, [&] {
+        if (mine && round == 0) m.flush_cache(*mine, true);
+        m.hp->defer_waits(outside && round == 0);
+        st = m.hp->trim(keep);
+        m.hp->defer_waits(false);
+      }, true);
+      std::vector<stream_t> waits = m.hp->take_waits();
+      if (waits.empty() || !st.ok() || !ran.ok()) break;
+      // The first round's refusals are its own to report: the second round starts afresh.
+      if (status parked = m.ar->take_parked_error(); !parked.ok()) {
+        st = parked;
+        break;
+      }
+      m.wait_streams(g, std::move(waits));
+    }
     // heap::trim took what was parked before; what is parked now is its growth's refused unmap
     // or release.
     if (st.ok()) st = !ran.ok() ? ran : m.ar->take_parked_error();

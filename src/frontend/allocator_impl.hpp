@@ -86,16 +86,21 @@ struct allocator::impl {
   // calls (create, map, set_access, unmap, release: microseconds to milliseconds each) hold up no
   // other thread. Then installs it under lk again (allocator.cpp).
   status run_parked_growth(std::unique_lock<std::mutex>& lk);
+  // Waits without lk for the work queued so far on each stream (a fence recorded on each under
+  // lk), then marks what those fences cover done in the own heap (heap::defer_waits). A stream
+  // being captured, or whose fence the driver refuses, is left as it is.
+  void wait_streams(std::unique_lock<std::mutex>& lk, std::vector<stream_t> streams);
   // Runs f (a free, a trim, a cache flush: anything that may give chunks back) under lk with the
   // chunks and idle handles it gives back set aside; their unmaps and releases then run as a
   // growth of their own after lk is dropped. Returns that growth's status (a refusal leaves the
   // range retired or the handle parked: f itself succeeded). outside false: all of it under lk.
+  // ready_unmaps: also unmaps the retired ranges whose streams caught up (trim).
   template <class F>
-  status releases_outside(std::unique_lock<std::mutex>& lk, bool outside, F&& f) {
+  status releases_outside(std::unique_lock<std::mutex>& lk, bool outside, F&& f, bool ready_unmaps = false) {
     ar->defer_releases(outside);
     f();
     ar->defer_releases(false);
-    if (!outside || !ar->park_releases()) return {};
+    if (!outside || !ar->park_releases(ready_unmaps)) return {};
     const status st = run_parked_growth(lk);
     ar->defer_growth(false);  // the mark of an unmap round is an allocation's retry's only
     return st;

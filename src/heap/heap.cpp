@@ -3,6 +3,8 @@
 // split by concept; heap_impl.hpp says which file holds what.
 #include "heap/heap_impl.hpp"
 
+#include <utility>
+
 namespace vmm {
 
 
@@ -166,7 +168,7 @@ bool heap::impl::reclaim() {
   const std::uint64_t slabs_before = st.slabs, deferred_before = st.deferred;
   poll_deferred();
   (void)a.retry_strays();
-  (void)a.poll_retiring(true);
+  (void)a.poll_retiring(true, defer_waits ? &waits : nullptr);
   destroy_empty_slabs();
   // Every wholly free chunk becomes an idle handle (waiting for the fences of its blocks' streams:
   // this is the out-of-memory path, not the hot path); the retry maps those handles where it
@@ -208,21 +210,35 @@ status heap::trim(std::size_t keep) {
   (void)m.a.take_parked_error();
   const status retried = m.a.retry_strays();  // a refusal stays parked (retried again later)
   m.destroy_empty_slabs();  // first: they pin chunks that are otherwise free
-  status r = m.a.poll_retiring(true);  // retired ranges: their streams' work first, then the VA back
+  // Retired ranges: their streams' work first, then the VA back.
+  status r = m.a.poll_retiring(true, m.defer_waits ? &m.waits : nullptr);
   const std::uint16_t h = m.hid;
+  std::uint32_t id = m.a.oldest_free_chunk(h);
   while (r.ok() && m.a.free_chunk_bytes(h) + m.a.idle_bytes() > keep) {
     if (m.a.idle_bytes()) {
       r = m.a.release_idle(keep > m.a.free_chunk_bytes(h) ? keep - m.a.free_chunk_bytes(h) : 0);
       if (!r.ok() || m.a.free_chunk_bytes(h) + m.a.idle_bytes() <= keep) break;
     }
-    if (m.a.oldest_free_chunk(h) == arena::no_chunk) break;
-    bool busy = false;
-    r = m.release_chunk(m.a.oldest_free_chunk(h), false, true, busy);
+    if (id == arena::no_chunk) break;
+    bool busy = false;  // only while waits are deferred: a chunk a stream still uses is skipped
+    r = m.release_chunk(id, false, true, busy);
+    id = busy ? m.a.get(id).lru_next : m.a.oldest_free_chunk(h);
   }
   // A release refused during this call is reported by this call only (its handle stays parked and
   // is retried later); the first error wins.
   status parked = m.a.take_parked_error();
   return !r.ok() ? r : !parked.ok() ? parked : retried;
+}
+
+void heap::defer_waits(bool on) { p_->defer_waits = on && !p_->private_pool; }
+
+std::vector<stream_t> heap::take_waits() { return std::exchange(p_->waits, {}); }
+
+std::uint64_t heap::order_point() const { return p_->seq; }
+
+void heap::note_waited(stream_t s, std::uint64_t point) {
+  auto& ss = p_->streams[s];
+  ss.completed_seq = std::max(ss.completed_seq, point + 1);  // a fence recorded at `point` completed
 }
 
 result<std::uintptr_t> heap::allocate_cacheable(std::size_t n, std::size_t align, stream_t s, block_ref& ref) {

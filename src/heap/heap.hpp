@@ -87,6 +87,16 @@ class heap {
   // Releases empty slabs, wholly free chunks and idle handles until kept bytes <= keep.
   status trim(std::size_t keep);
 
+  // Waits for streams, outside the front end's lock. While on, trim() and the out-of-memory
+  // reclaim do not wait for a stream's fence: they skip what it still uses and note the stream;
+  // take_waits() hands the streams over. The front end records a fence on each (order_point()
+  // says which frees it covers), waits for it without the lock, then note_waited() marks those
+  // frees safe, and the call is made again.
+  void defer_waits(bool on);
+  std::vector<stream_t> take_waits();
+  std::uint64_t order_point() const;
+  void note_waited(stream_t s, std::uint64_t point);
+
   heap_stats stats() const;
   std::uint16_t id() const;  // its tag on the arena's chunks
   // A graph pool's heap keeps every byte it mapped where it is until released: a captured graph

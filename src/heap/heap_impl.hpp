@@ -175,6 +175,11 @@ struct heap::impl {
   std::unordered_map<std::uintptr_t, std::vector<stream_t>> extra_streams;
   std::vector<deferred> deferred_frees;
   std::uint64_t seq = 0;
+  bool defer_waits = false;      // see heap::defer_waits
+  std::vector<stream_t> waits;   // streams trim / reclaim skipped instead of waiting for
+  void note_wait(stream_t s) {
+    if (std::find(waits.begin(), waits.end(), s) == waits.end()) waits.push_back(s);
+  }
   std::size_t next_growth;
 
   // size classes: multiples of 256 up to 2 KiB, then 4 per octave, up to small_max
@@ -256,9 +261,10 @@ struct heap::impl {
                            const stream_t* for_stream = nullptr);
 
   // Whether a free chunk still has a stream that may touch it (fence not known complete).
-  // Streams that may still use a free chunk: none, only *for_stream, or another one.
+  // Streams that may still use a free chunk: none, only *for_stream, or another one. note: every
+  // such stream goes to `waits` (note_wait).
   enum { pending_none, pending_same, pending_other };
-  int pending(std::uint32_t id, const stream_t* for_stream);
+  int pending(std::uint32_t id, const stream_t* for_stream, bool note = false);
 
   status release_chunk(std::uint32_t id, bool keep_handle, bool wait, bool& busy,
                        const stream_t* for_stream = nullptr);

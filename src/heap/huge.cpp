@@ -20,7 +20,7 @@ status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* reti
     if (retire_for) {
       auto f = a.drv().record_fence(*retire_for);  // one per chunk (each retired range owns its fence); the caller checked the stream does not capture
       if (!f.ok()) return f.st;
-      a.retire_chunk(id, f.value);
+      a.retire_chunk(id, f.value, *retire_for);
       ++st.chunks_retired;
     } else if (status u = a.evict_chunk(id, keep_handle); !u.ok()) {
       return u;

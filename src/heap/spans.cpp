@@ -189,12 +189,13 @@ status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool 
   return {};
 }
 
-int heap::impl::pending(std::uint32_t id, const stream_t* for_stream) {
+int heap::impl::pending(std::uint32_t id, const stream_t* for_stream, bool note_streams) {
   auto& c = a.get(id);
   int p = pending_none;
   auto note = [&](block* b) {
     if (!(b->flags & f_tagged) || fence_covers(b->stream, b->free_seq)) return;
     p = (p != pending_other && for_stream && b->stream == *for_stream) ? pending_same : pending_other;
+    if (note_streams) note_wait(b->stream);
   };
   if (c.owner == kOwnerHuge) {
     block* b = block_at(c.va);
@@ -202,7 +203,8 @@ int heap::impl::pending(std::uint32_t id, const stream_t* for_stream) {
     note(b);
     return p;
   }
-  for (block* b = block_containing(c.va); b && b->addr < c.va + c.size && p != pending_other; b = b->next_phys)
+  for (block* b = block_containing(c.va); b && b->addr < c.va + c.size && (p != pending_other || note_streams);
+       b = b->next_phys)
     note(b);
   return p;
 }
@@ -214,6 +216,10 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
   // old VA is unmapped once the stream's fence completes. Skipping it would create new memory
   // instead, a third more at the peak of a real training process.
   bool retire = false;
+  if (wait && defer_waits && pending(id, nullptr, true) != pending_none) {
+    busy = true;  // its streams are waited for outside the lock, then the call comes again
+    return {};
+  }
   if (!wait) {
     const int p = pending(id, for_stream);
     // The retired range's fence is recorded on the requesting stream: not while it captures.
@@ -240,7 +246,7 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
       busy = true;  // cannot order the reuse: leave the chunk as it is
       return {};
     }
-    a.retire_chunk(id, f.value);
+    a.retire_chunk(id, f.value, *for_stream);
     ++st.chunks_retired;
   } else {
     for (block* b = first;; b = b->next_phys) {  // wait only for this chunk's streams

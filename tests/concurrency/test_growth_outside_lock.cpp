@@ -2,7 +2,9 @@
 // Growth's driver calls run outside the allocator's lock: while one thread's growth sits in
 // cuMemCreate, cuMemMap, the cuMemUnmap of a range it stitches from or the cuMemRelease of an
 // idle handle it cannot use (here: a backend that blocks there until the test lets it go), other
-// threads allocate and free from mapped memory, read stats and check the invariants. The memory
+// threads allocate and free from mapped memory, read stats and check the invariants. So do the
+// unmaps and releases of frees, cache flushes and trim, and the waits of trim and of the
+// out-of-memory reclaim for a stream that still uses freed memory. The memory
 // limit counts the growth in flight, so two growths at once cannot pass it together. Host
 // backend; CI runs it in the plain, ASan and TSan trees.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -30,7 +32,7 @@ using namespace std::chrono_literals;
 // Blocks the first create (or map) after arm() until open(): a driver call that takes long.
 class gate_backend final : public forwarding_backend {
  public:
-  enum which { none, create_call, map_call, unmap_call, release_call };
+  enum which { none, create_call, map_call, unmap_call, release_call, wait_call };
   using forwarding_backend::forwarding_backend;
 
   result<mem_handle> create(std::size_t n, const chunk_props& p) override {
@@ -48,6 +50,10 @@ class gate_backend final : public forwarding_backend {
   status release(mem_handle h) override {
     hold(release_call);
     return forwarding_backend::release(h);
+  }
+  status wait_fence(fence_t f) override {
+    hold(wait_call);
+    return forwarding_backend::wait_fence(f);
   }
 
   void arm(which w) { armed_.store(w); }
@@ -379,6 +385,69 @@ TEST_CASE("an allocator destroyed while a thread's exit gives a chunk back waits
   destroyer.get();
   t.join();
   CHECK(f.a == nullptr);
+}
+
+namespace {
+// 96 MiB freed on a stream the GPU has not caught up with (held): a wholly free chunk that trim or
+// a reclaim can give back only after waiting for that stream.
+void* free_on_held_stream(fixture& f, stream_t s1) {
+  auto& hb = *backend_cast<host_backend>(f.gate->inner());
+  void* big = nullptr;
+  std::thread([&] { big = f.a->allocate(96 * MiB, 0, s1); }).join();  // not this thread's cached block
+  hb.hold_stream(s1);
+  f.a->deallocate(big, s1);
+  return big;
+}
+}  // namespace
+
+TEST_CASE("other threads allocate while trim waits for a stream") {
+  // trim(0) gives back a chunk a held stream may still use: it waits for that stream's fence,
+  // without the lock; then the chunk goes.
+  fixture f;
+  allocator& a = *f.a;
+  auto& hb = *backend_cast<host_backend>(f.gate->inner());
+  const stream_t s1 = reinterpret_cast<stream_t>(std::uintptr_t{1});
+  void* keep = a.allocate(4 * MiB);  // memory the other threads use meanwhile
+  (void)free_on_held_stream(f, s1);
+  f.gate->arm(gate_backend::wait_call);
+  auto trimmer = std::async(std::launch::async, [&] { a.trim(0); });
+  REQUIRE(f.gate->wait_entered(10s));
+  hb.complete_stream(s1);  // the GPU catches up while trim waits
+  others_finish_while_gated(f, "allocations waited for trim's wait on a stream");
+  trimmer.get();
+  const auto st = a.stats();
+  CHECK(st.physical < 96 * MiB);  // the chunk went once its stream had caught up
+  CHECK(st.calls.wait_fence >= 1);
+  a.deallocate(keep);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("other threads allocate while an out-of-memory reclaim waits for a stream") {
+  // Under a 128 MiB limit, 64 MiB more fit only once the 96 MiB freed on a held stream are given
+  // back: the reclaim waits for that stream without the lock, then the request is tried again.
+  options o;
+  o.memory_limit = 128 * MiB;
+  fixture f(o);
+  allocator& a = *f.a;
+  auto& hb = *backend_cast<host_backend>(f.gate->inner());
+  const stream_t s1 = reinterpret_cast<stream_t>(std::uintptr_t{1});
+  void* keep = a.allocate(4 * MiB);
+  (void)free_on_held_stream(f, s1);
+  f.gate->arm(gate_backend::wait_call);
+  auto requester = std::async(std::launch::async, [&] { return a.try_allocate(64 * MiB); });
+  REQUIRE(f.gate->wait_entered(10s));
+  hb.complete_stream(s1);
+  others_finish_while_gated(f, "allocations waited for a reclaim's wait on a stream");
+  void* p = requester.get();
+  REQUIRE(p != nullptr);
+  static_cast<char*>(p)[64 * MiB - 1] = 1;
+  CHECK(a.stats().reclaims >= 1);
+  CHECK(a.stats().peak_physical <= o.memory_limit);
+  a.deallocate(p);
+  a.deallocate(keep);
+  CHECK(a.check() == "");
 }
 
 TEST_CASE("the memory limit counts a growth in flight") {

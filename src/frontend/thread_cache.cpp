@@ -28,7 +28,8 @@ struct tl_caches {
         // Neither lock is held while the chunks the slots free are unmapped and released:
         // another thread's allocation, stats() or first use wait for no driver call here.
         std::unique_lock h(o->mu);
-        (void)o->releases_outside(h, o->releases_leave_lock(), [&] { o->flush_cache(*c, true); });
+        tcache& mine = *c;  // a name the lambda can capture (clang 14 does not capture bindings)
+        (void)o->releases_outside(h, o->releases_leave_lock(), [&] { o->flush_cache(mine, true); });
         o->hp->set_cache_tag(c->tag, false);  // its slabs are free for others to take
       }
       std::lock_guard g(cache_registry_mutex());

@@ -132,6 +132,13 @@ void others_finish_while_gated(fixture& f, const char* why,
   CHECK(problems == "");
 }
 
+// Once every block is freed: trim(0) leaves no physical memory and the invariants hold.
+void gives_everything_back(allocator& a) {
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(a.check() == "");
+}
+
 // start_others on a thread whose cache is registered before `go`: a thread's first allocation
 // registers its cache under a global lock, which a thread that is exiting holds.
 std::future<std::pair<int, std::string>> start_registered_others(allocator& a, std::shared_future<void> go) {
@@ -231,9 +238,7 @@ TEST_CASE("other threads allocate while a growth unmaps retired ranges") {
   a.deallocate(big, s1);
   a.deallocate(keep, s1);
   for (int i = 1; i < 6; i += 2) a.deallocate(v[i], s1);
-  a.trim(0);
-  CHECK(a.stats().physical == 0);
-  CHECK(a.check() == "");
+  gives_everything_back(a);
 }
 
 TEST_CASE("other threads allocate while a growth releases an idle handle it cannot use") {
@@ -253,9 +258,7 @@ TEST_CASE("other threads allocate while a growth releases an idle handle it cann
   const auto st = a.stats();
   CHECK(st.physical < 512 * MiB);  // the 512 MiB handle is gone, not kept beside the new memory
   CHECK(st.calls.release >= 1);
-  a.trim(0);
-  CHECK(a.stats().physical == 0);
-  CHECK(a.check() == "");
+  gives_everything_back(a);
 }
 
 TEST_CASE("other threads allocate while a free gives its chunk back") {
@@ -276,9 +279,7 @@ TEST_CASE("other threads allocate while a free gives its chunk back") {
   CHECK(st.retiring == 0);             // the free's range was unmapped
   CHECK(st.physical < 96 * MiB);       // and its handle released
   a.deallocate(keep);
-  a.trim(0);
-  CHECK(a.stats().physical == 0);
-  CHECK(a.check() == "");
+  gives_everything_back(a);
 }
 
 TEST_CASE("other threads allocate while a thread cache gives a chunk back") {
@@ -352,9 +353,7 @@ TEST_CASE("other threads allocate while a thread cache gives a chunk back") {
   CHECK(cached > 0);  // the slots had a chunk of their own
   CHECK(a.stats().calls.release > released_before);
   a.deallocate(keep);
-  a.trim(0);
-  CHECK(a.stats().physical == 0);
-  CHECK(a.check() == "");
+  gives_everything_back(a);
 }
 
 TEST_CASE("an allocator destroyed while a thread's exit gives a chunk back waits for that exit") {
@@ -419,9 +418,7 @@ TEST_CASE("other threads allocate while trim waits for a stream") {
   CHECK(st.physical < 96 * MiB);  // the chunk went once its stream had caught up
   CHECK(st.calls.wait_fence >= 1);
   a.deallocate(keep);
-  a.trim(0);
-  CHECK(a.stats().physical == 0);
-  CHECK(a.check() == "");
+  gives_everything_back(a);
 }
 
 TEST_CASE("other threads allocate while an out-of-memory reclaim waits for a stream") {
@@ -513,9 +510,7 @@ TEST_CASE("other threads allocate while trim gives chunks back") {
   CHECK(st.physical < 96 * MiB);  // and its handle released before trim returned
   CHECK(st.calls.release >= 1);
   a.deallocate(keep);
-  a.trim(0);
-  CHECK(a.stats().physical == 0);
-  CHECK(a.check() == "");
+  gives_everything_back(a);
 }
 
 TEST_CASE("a growth the driver refuses outside the lock leaves nothing behind") {

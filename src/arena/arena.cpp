@@ -612,8 +612,7 @@ status arena::poll_retiring(bool wait, std::vector<stream_t>* wait_out) {
     }
     if (r.fence && !drv_.fence_done(r.fence)) {
       if (!wait || wait_out) {
-        if (wait && std::find(wait_out->begin(), wait_out->end(), r.stream) == wait_out->end())
-          wait_out->push_back(r.stream);
+        if (wait) wait_out->push_back(r.stream);
         ++i;
         continue;
       }

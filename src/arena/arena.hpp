@@ -207,7 +207,7 @@ class arena {
   status evict_chunk(std::uint32_t id, bool keep_handle);
   // Unmaps retired ranges whose fences completed (wait: waits for them first). Their VA returns to
   // the holes. Called before mapping, by release_idle, trim and teardown. wait_out: instead of
-  // waiting, the streams of unfinished fences are added there (waited for outside the lock). While
+  // waiting, the stream of each unfinished fence is added there (waited for outside the lock). While
   // releases or a growth are deferred the unmaps are left to the parked round.
   status poll_retiring(bool wait, std::vector<stream_t>* wait_out = nullptr);
 

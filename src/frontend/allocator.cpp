@@ -118,21 +118,23 @@ void allocator::impl::wait_streams(std::unique_lock<std::mutex>& lk, std::vector
   struct wait {
     stream_t s;
     fence_t f;
-    std::uint64_t point;  // the own heap's frees this fence comes after
     bool done;
   };
+  std::sort(streams.begin(), streams.end(), std::less<>{});  // noted once a block or range
+  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
   std::vector<wait> ws;
   auto& d = ar->drv();
+  const std::uint64_t point = hp->order_point();  // the own heap's frees the fences come after
   for (stream_t s : streams) {
     if (d.capturing(s)) continue;  // no fence into a capture: the locked path reports it
     auto f = d.record_fence(s);
-    if (f.ok()) ws.push_back({s, f.value, hp->order_point(), false});
+    if (f.ok()) ws.push_back({s, f.value, false});
   }
   lk.unlock();
   for (auto& w : ws) w.done = d.wait_fence(w.f).ok();
   lk.lock();
   for (auto& w : ws) {
-    if (w.done) hp->note_waited(w.s, w.point);
+    if (w.done) hp->note_waited(w.s, point);
     d.drop_fence(w.f);
   }
 }
@@ -387,7 +389,7 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
     const std::size_t req = m.trace ? h.requested_size(u) : 0;
     // Chunks the free gives back (release_threshold, idle decay) are unmapped and released after
     // the lock is dropped, as a growth's driver calls are (see allocate_growing).
-    const bool outside = &h == m.hp.get() && m.ar->opts().grow_outside_lock;
+    const bool outside = &h == m.hp.get() && m.releases_leave_lock();
     // A refused unmap stays retired, a refused release parked: the free itself succeeded.
     (void)m.releases_outside(g, outside, [&] {
       st = h.deallocate(u, s);

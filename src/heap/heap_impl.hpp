@@ -176,10 +176,7 @@ struct heap::impl {
   std::vector<deferred> deferred_frees;
   std::uint64_t seq = 0;
   bool defer_waits = false;      // see heap::defer_waits
-  std::vector<stream_t> waits;   // streams trim / reclaim skipped instead of waiting for
-  void note_wait(stream_t s) {
-    if (std::find(waits.begin(), waits.end(), s) == waits.end()) waits.push_back(s);
-  }
+  std::vector<stream_t> waits;   // streams trim / reclaim skipped instead of waiting for (repeats allowed)
   std::size_t next_growth;
 
   // size classes: multiples of 256 up to 2 KiB, then 4 per octave, up to small_max
@@ -262,7 +259,7 @@ struct heap::impl {
 
   // Whether a free chunk still has a stream that may touch it (fence not known complete).
   // Streams that may still use a free chunk: none, only *for_stream, or another one. note: every
-  // such stream goes to `waits` (note_wait).
+  // such stream goes to `waits`.
   enum { pending_none, pending_same, pending_other };
   int pending(std::uint32_t id, const stream_t* for_stream, bool note = false);
 

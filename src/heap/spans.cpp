@@ -195,7 +195,7 @@ int heap::impl::pending(std::uint32_t id, const stream_t* for_stream, bool note_
   auto note = [&](block* b) {
     if (!(b->flags & f_tagged) || fence_covers(b->stream, b->free_seq)) return;
     p = (p != pending_other && for_stream && b->stream == *for_stream) ? pending_same : pending_other;
-    if (note_streams) note_wait(b->stream);
+    if (note_streams) waits.push_back(b->stream);
   };
   if (c.owner == kOwnerHuge) {
     block* b = block_at(c.va);

@@ -628,6 +628,49 @@ TEST_CASE("policy: idle_decay_ms gives back free chunks unused for that long, on
   }
 }
 
+// A climb to a new high of live bytes (a first training step): steps of a share of what is mapped
+// instead of max_growth each; what stays unused at the peak is at most about one step.
+TEST_CASE("policy: peak_growth grows by a share of the mapped bytes while live bytes climb") {
+  struct outcome {
+    std::uint64_t creates;
+    std::size_t peak_physical, live;
+  };
+  auto climb = [](int pct) {
+    vmm::options o;
+    o.peak_growth = pct;
+    o.thread_cache_large = false;
+    auto a = vmm::allocator::host(o);
+    std::vector<void*> v;
+    for (int i = 0; i < 400; ++i) v.push_back(a.allocate(3 * MiB));
+    const auto s = a.stats();
+    outcome r{s.calls.create, s.peak_physical, s.allocated};
+    CHECK(a.check() == "");
+    for (void* p : v) a.deallocate(p);
+    return r;
+  };
+  const outcome off = climb(0), on = climb(10);
+  CAPTURE(off.creates);
+  CAPTURE(on.creates);
+  CHECK(off.live == on.live);
+  CHECK(off.creates >= 140);          // 1,200 MiB in steps of max_growth (8 MiB)
+  CHECK(on.creates * 2 < off.creates);  // steps of 10 % once that is more than 8 MiB
+  CHECK(off.peak_physical <= off.live + 8 * MiB);
+  CHECK(on.peak_physical <= on.live + on.live / 10 + 8 * MiB);
+}
+
+TEST_CASE("policy: peak_growth outside 0-100 is a clear error at creation") {
+  for (int bad : {-1, 101}) {
+    vmm::options o;
+    o.peak_growth = bad;
+    try {
+      auto a = vmm::allocator::host(o);
+      FAIL("accepted peak_growth " << bad);
+    } catch (const vmm::error& e) {
+      CHECK(std::string(e.what()).find("peak_growth") != std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("policy: the default reservation is twice the device memory") {
   vmm::host_backend_options h;
   h.physical_limit = 3ull << 30;

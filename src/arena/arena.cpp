@@ -29,6 +29,8 @@ status arena::open() {
   if (!g.ok()) return g.st;
   gran_ = g.value;
   gran_shift_ = static_cast<unsigned>(__builtin_ctzll(gran_));
+  if (opt_.peak_growth < 0 || opt_.peak_growth > 100)
+    return fail(errc::invalid_value, "arena", "peak_growth out of range (a percent, 0-100)");
   if (opt_.min_chunk == 0) opt_.min_chunk = gran_;
   opt_.min_chunk = round_up(opt_.min_chunk, gran_);
 

@@ -122,6 +122,10 @@ status heap::impl::grow(std::size_t need, stream_t x) {
   }
   // Repeated growth is geometric (driver cost is per call), capped by max_growth.
   std::size_t geo = std::min(next_growth, std::max(a.opts().max_growth, G));
+  // At a new high of live bytes the process is still climbing: a step of peak_growth percent of
+  // what is mapped (options.def says what it saves).
+  if (const int pct = a.opts().peak_growth; pct > 0 && st.allocated >= st.peak_allocated)
+    geo = std::max(geo, round_up(a.mapped_bytes(hid) / 100 * static_cast<std::size_t>(pct), G));
   std::size_t want = ext;
   if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
   std::size_t got = 0;  // mapped: want, or more when a retired handle larger than the rest was used whole

@@ -47,6 +47,7 @@ allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(st
   p_->large_cache = p_->tc_enabled && o.thread_cache_large && !p_->ar->whole_chunks() &&
                     o.release_threshold == std::numeric_limits<std::size_t>::max();
   p_->tc_cap = std::max<std::size_t>(o.thread_cache_slots, 2);
+  if (p_->large_cache) p_->hp->set_before_growth([m = p_.get()] { return m->take_back_large(); });
   p_->unit_class.push_back(0);
   for (std::size_t n = 256; p_->hp->small_class(n) >= 0; n += 256) {
     p_->unit_class.push_back(static_cast<std::uint8_t>(p_->hp->small_class(n)));
@@ -273,7 +274,9 @@ void* allocator::allocate_large_cached(std::size_t bytes, std::size_t alignment,
   tcache& c = m.my_cache();
   auto& L = c.large;
   const std::size_t need = (bytes + 255) & ~std::size_t{255};
-  if (L.cached && L.r.stream == s && L.r.size >= need && L.r.size - need <= std::max<std::size_t>(256, need / 8) &&
+  // Up to 1/64 larger: what a reuse leaves unused is held as long as the block lives (with 1/8 the
+  // dev trace's replays held 0.2-1.9 % more at the peak).
+  if (L.cached && L.r.stream == s && L.r.size >= need && L.r.size - need <= std::max<std::size_t>(256, need / 64) &&
       need >= bytes && heap::cache_reuse(L.r, bytes)) {
     L.cached = false;
     L.req = bytes;

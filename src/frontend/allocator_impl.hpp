@@ -81,6 +81,11 @@ struct allocator::impl {
   tcache& my_cache_slow();  // first use on this thread, or another allocator's cache was last
   void flush_cache(tcache& c, bool all);  // caller holds mu
   void return_large(tcache& c);           // caller holds mu: the cached large block back to the heap
+  // Caches whose large block the heap may take back (under mu: registered on a thread's first use,
+  // removed at its exit). take_back_large() is the heap's set_before_growth: every block cached
+  // now goes back (a compare-exchange each; its thread finds out on its next request).
+  std::vector<tcache*> large_holders;
+  bool take_back_large();
 
   // Runs the growth the arena parked (arena::defer_growth, park_releases) without lk: its driver
   // calls (create, map, set_access, unmap, release: microseconds to milliseconds each) hold up no

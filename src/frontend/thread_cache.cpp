@@ -31,6 +31,7 @@ struct tl_caches {
         tcache& mine = *c;  // a name the lambda can capture (clang 14 does not capture bindings)
         (void)o->releases_outside(h, o->releases_leave_lock(), [&] { o->flush_cache(mine, true); });
         o->hp->set_cache_tag(c->tag, false);  // its slabs are free for others to take
+        std::erase(o->large_holders, c.get());
       }
       std::lock_guard g(cache_registry_mutex());
       o->retired_req += c->req_delta.get();
@@ -67,6 +68,7 @@ tcache& allocator::impl::my_cache_slow() {
   {
     std::lock_guard g(mu);
     hp->set_cache_tag(c->tag, true);
+    if (large_cache) large_holders.push_back(c.get());
   }
   c->bins.resize(classes);
   for (std::size_t k = 0; k < classes; ++k) {
@@ -85,11 +87,27 @@ tcache& allocator::impl::my_cache_slow() {
 
 void allocator::impl::return_large(tcache& c) {
   if (!c.large.cached) return;
-  hp->cache_return(c.large.p, c.large.r);
+  (void)hp->cache_return(c.large.p, c.large.r);  // false: the heap took it back already
   c.large.cached = false;
   c.large.p = 0;
   c.large_cached.add(-std::uint64_t{c.large.r.size});
+  c.large_taken.store(0, std::memory_order_relaxed);
   c.flushed.add(1);
+}
+
+bool allocator::impl::take_back_large() {
+  bool any = false;
+  for (tcache* c : large_holders) {
+    // large.p and large.r change under mu only; large.cached is its thread's (not read here):
+    // the block word says whether the block is cached now.
+    const auto& L = c->large;
+    if (!L.p || c->large_taken.load(std::memory_order_relaxed)) continue;
+    if (hp->cache_return(L.p, L.r)) {
+      c->large_taken.store(L.r.size, std::memory_order_relaxed);
+      any = true;
+    }
+  }
+  return any;
 }
 
 void allocator::impl::flush_cache(tcache& c, bool all) {

@@ -109,7 +109,7 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
   // A block a thread cache handed out: claim it from the cache protocol first (a racing fast-path
   // free of the same pointer, a caller's bug, then loses cleanly).
   if (std::uint64_t w = b->tword.load(std::memory_order_acquire); (w & 0xff) != 0) {
-    if ((w & 0xff) == 2) return fail(errc::invalid_pointer, "double free (block is already freed into a thread cache)");
+    if ((w & 0xff) >= 2) return fail(errc::invalid_pointer, "double free (block is already freed into a thread cache)");
     if (!b->tword.compare_exchange_strong(w, w & ~std::uint64_t{0xff}, std::memory_order_acq_rel))
       return fail(errc::invalid_pointer, "double free (freed concurrently by another thread)");
   }
@@ -148,7 +148,7 @@ std::size_t heap::usable_size(std::uintptr_t p) const {
   }
   impl::block* b = m.block_at(p);
   if (!b || (b->flags & (impl::f_free | impl::f_slab | impl::f_sentinel))) return 0;
-  if ((b->tword.load(std::memory_order_acquire) & 0xff) == 2) return 0;  // freed into a thread cache
+  if ((b->tword.load(std::memory_order_acquire) & 0xff) >= 2) return 0;  // freed into a thread cache
   for (auto& d : m.deferred_frees)
     if (d.p == p) return 0;
   return b->size;
@@ -269,17 +269,25 @@ bool heap::cache_claim(const block_ref& r) {
 
 bool heap::cache_reuse(const block_ref& r, std::size_t n) {
   auto* b = static_cast<impl::block*>(r.blk);
-  b->set_requested(n);  // before the state: a locked free that sees state 1 reads n
+  // 2 -> 3 first: the heap may have taken the block back (cache_return from another thread), and
+  // then n must not land on whatever the block is now. 3 -> 1 once n is set: a locked free that
+  // sees state 1 reads n.
   std::uint64_t e = r.gen | 2;
-  return b->tword.compare_exchange_strong(e, r.gen | 1, std::memory_order_acq_rel);
+  if (!b->tword.compare_exchange_strong(e, r.gen | 3, std::memory_order_acq_rel)) return false;
+  b->set_requested(n);
+  b->tword.store(r.gen | 1, std::memory_order_release);
+  return true;
 }
 
-void heap::cache_return(std::uintptr_t p, const block_ref& r) {
+bool heap::cache_return(std::uintptr_t p, const block_ref& r) {
   auto* b = static_cast<impl::block*>(r.blk);
   std::uint64_t e = r.gen | 2;
-  if (!b->tword.compare_exchange_strong(e, r.gen, std::memory_order_acq_rel)) return;  // not cached
+  if (!b->tword.compare_exchange_strong(e, r.gen, std::memory_order_acq_rel)) return false;  // not cached
   (void)deallocate(p, r.stream);
+  return true;
 }
+
+void heap::set_before_growth(std::function<bool()> take_back) { p_->before_growth = std::move(take_back); }
 
 heap_stats heap::stats() const { return p_->st; }
 std::uint16_t heap::id() const { return p_->hid; }

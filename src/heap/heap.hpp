@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -154,8 +155,14 @@ class heap {
   // cache's the user's again (requested n). false: something changed it first (then lock).
   static bool cache_claim(const block_ref& r);
   static bool cache_reuse(const block_ref& r, std::size_t n);
-  // Under the lock: a cached block goes back to the heap (freed on its stream).
-  void cache_return(std::uintptr_t p, const block_ref& r);
+  // Under the lock: a cached block goes back to the heap (freed on its stream). false: it was
+  // not cached (reused by its thread, or taken back already); nothing changes.
+  bool cache_return(std::uintptr_t p, const block_ref& r);
+  // Called under the front end's lock when a request finds no free memory that fits, before the
+  // heap grows: the front end hands back what its thread caches hold (cache_return) and says
+  // whether it did; the request then looks again. A block a thread keeps for its next request is
+  // otherwise memory no other thread can use, and the heap would create more instead.
+  void set_before_growth(std::function<bool()> take_back);
 
 
  private:

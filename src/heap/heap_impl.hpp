@@ -55,7 +55,8 @@ struct heap::impl {
     std::uint8_t flags = 0;
     // Read and written without the lock by a thread cache holding the block (large sizes): bytes
     // asked for (live blocks), and the cache protocol word: gen << 8 | state, state 0 = the heap's,
-    // 1 = handed out on a thread-cache path (the user's), 2 = cached in a thread cache. gen
+    // 1 = handed out on a thread-cache path (the user's), 2 = cached in a thread cache, 3 = its
+    // thread is taking it back from its cache (between 2 and 1, so the heap cannot take it). gen
     // changes whenever the struct is reused for another block, so a cache's stale reference fails
     // its compare-exchange. Block structs are never freed while the heap lives (type-stable).
     std::atomic<std::size_t> req{0};
@@ -160,6 +161,15 @@ struct heap::impl {
   slab* slab_at(std::size_t pg) const { return pages[pg].s.load(std::memory_order_acquire); }
 
   arena& a;
+  std::function<bool()> before_growth;  // heap::set_before_growth
+  bool taking_back = false;             // before_growth is running (it frees into this heap)
+  bool take_back_cached() {
+    if (!before_growth || taking_back) return false;
+    taking_back = true;
+    const bool any = before_growth();
+    taking_back = false;
+    return any;
+  }
   bool private_pool = false;  // a graph pool's: every mapped byte stays (see heap::set_private)
   std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;

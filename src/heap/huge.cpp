@@ -63,34 +63,38 @@ void heap::impl::uncache_huge(block* b) {
 result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t align, stream_t x) {
   std::size_t size = round_up(n, G);
   if (size < n) return {nullptr, fail(errc::out_of_memory, "size overflows")};
-  // A cached chunk of the same size (up to 1/8 larger) costs no driver call at all.
-  for (auto it = huge_cache.lower_bound(size); it != huge_cache.end() && it->first <= size + size / 8; ++it) {
-    block* b = it->second;
-    if (!usable(b, x)) continue;
-    huge_cache.erase(it);
-    b->flags = f_huge;
-    b->set_requested(n);
-    b->stream = x;
-    account(b->addr, b->size, true);
-    return {b, {}};
-  }
-  // Free span memory that fits costs no driver call; chunks of its own would (remapping free
-  // chunks, or creating). Real training processes change shapes every step, and with them the
-  // sizes of their largest blocks: the cache above misses, span memory is there.
-  if (!whole_chunks()) {
-    // The smallest cached block up to twice the size is split instead of remapped: no driver
-    // call, and the rest stays span memory for the next shapes (training changes its largest
-    // blocks' sizes every step; options.def has what it costs).
-    if (a.opts().split_cached_huge)
-      for (auto it = huge_cache.upper_bound(size + size / 8); it != huge_cache.end() && it->first <= 2 * size; ++it) {
-        block* b = it->second;
-        if (!usable(b, x)) continue;
-        huge_cache.erase(it);
-        huge_to_spans(b, x);
-        break;
-      }
-    auto sp = allocate_large(n, align, x, false);
-    if (!sp.ok() || sp.value) return sp;
+  // A second pass once the thread caches have handed back their blocks (set_before_growth).
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass && !take_back_cached()) break;
+    // A cached chunk of the same size (up to 1/8 larger) costs no driver call at all.
+    for (auto it = huge_cache.lower_bound(size); it != huge_cache.end() && it->first <= size + size / 8; ++it) {
+      block* b = it->second;
+      if (!usable(b, x)) continue;
+      huge_cache.erase(it);
+      b->flags = f_huge;
+      b->set_requested(n);
+      b->stream = x;
+      account(b->addr, b->size, true);
+      return {b, {}};
+    }
+    // Free span memory that fits costs no driver call; chunks of its own would (remapping free
+    // chunks, or creating). Real training processes change shapes every step, and with them the
+    // sizes of their largest blocks: the cache above misses, span memory is there.
+    if (!whole_chunks()) {
+      // The smallest cached block up to twice the size is split instead of remapped: no driver
+      // call, and the rest stays span memory for the next shapes (training changes its largest
+      // blocks' sizes every step; options.def has what it costs).
+      if (a.opts().split_cached_huge)
+        for (auto it = huge_cache.upper_bound(size + size / 8); it != huge_cache.end() && it->first <= 2 * size; ++it) {
+          block* b = it->second;
+          if (!usable(b, x)) continue;
+          huge_cache.erase(it);
+          huge_to_spans(b, x);
+          break;
+        }
+      auto sp = allocate_large(n, align, x, false);
+      if (!sp.ok() || sp.value) return sp;
+    }
   }
   bool pressed = false;
   if (status e = prepare_growth(size, x, pressed); !e.ok()) return {nullptr, e};

@@ -12,6 +12,7 @@ result<heap::impl::block*> heap::impl::allocate_large(std::size_t n, std::size_t
   if (size < n || need < size) return {nullptr, fail(errc::out_of_memory, "size overflows")};
   block* b = find_free(need, x);
   if (!b && !may_grow) return {nullptr, {}};
+  if (!b && take_back_cached()) b = find_free(need, x);  // thread caches' blocks before new memory
   if (!b) {
     status g = grow(need, x);
     if (!g.ok()) return {nullptr, g};

@@ -56,7 +56,7 @@ struct heap::impl {
     // Read and written without the lock by a thread cache holding the block (large sizes): bytes
     // asked for (live blocks), and the cache protocol word: gen << 8 | state, state 0 = the heap's,
     // 1 = handed out on a thread-cache path (the user's), 2 = cached in a thread cache, 3 = its
-    // thread is taking it back from its cache (between 2 and 1, so the heap cannot take it). gen
+    // thread is moving it between 1 and 2 (its requested bytes change; nobody else may take it). gen
     // changes whenever the struct is reused for another block, so a cache's stale reference fails
     // its compare-exchange. Block structs are never freed while the heap lives (type-stable).
     std::atomic<std::size_t> req{0};

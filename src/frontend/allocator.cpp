@@ -345,7 +345,10 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
       tcache& c = *tl_cache;
       L.cached = true;
       c.req_delta.add(-std::uint64_t{L.req});
+      // The free is traced before the block can be taken back and handed out again (a trace
+      // must never show the address allocated twice).
       if (m.trace) [[unlikely]] m.trace->event('f', u, L.req, s);
+      heap::cache_publish(L.r);
       c.large_cached.add(L.r.size);
       c.fast_frees.add(1);
       return {};

@@ -261,13 +261,17 @@ result<std::uintptr_t> heap::allocate_cacheable(std::size_t n, std::size_t align
 
 bool heap::cache_claim(const block_ref& r) {
   auto* b = static_cast<impl::block*>(r.blk);
-  // 1 -> 3 -> 2: requested is 0 before the block can be taken back (cache_return from another
-  // thread's growth frees it with the requested bytes it holds, which the cache no longer counts).
+  // 1 -> 3, then 2 in cache_publish: requested is 0 before the block can be taken back
+  // (cache_return from another thread's growth frees it with the requested bytes it holds, which
+  // the cache no longer counts).
   std::uint64_t e = r.gen | 1;
   if (!b->tword.compare_exchange_strong(e, r.gen | 3, std::memory_order_acq_rel)) return false;
   b->set_requested(0);
-  b->tword.store(r.gen | 2, std::memory_order_release);
   return true;
+}
+
+void heap::cache_publish(const block_ref& r) {
+  static_cast<impl::block*>(r.blk)->tword.store(r.gen | 2, std::memory_order_release);
 }
 
 bool heap::cache_reuse(const block_ref& r, std::size_t n) {

@@ -153,7 +153,10 @@ class heap {
   result<std::uintptr_t> allocate_cacheable(std::size_t n, std::size_t align, stream_t s, block_ref& ref);
   // Lock-free, by the cache's thread: the user's block becomes the cache's (requested 0), or the
   // cache's the user's again (requested n). false: something changed it first (then lock).
+  // A claimed block is the thread's alone until cache_publish() makes it one the heap may take
+  // back (what must happen before that, the free's trace event, happens in between).
   static bool cache_claim(const block_ref& r);
+  static void cache_publish(const block_ref& r);
   static bool cache_reuse(const block_ref& r, std::size_t n);
   // Under the lock: a cached block goes back to the heap (freed on its stream). false: it was
   // not cached (reused by its thread, or taken back already); nothing changes.

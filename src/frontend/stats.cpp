@@ -40,7 +40,7 @@ allocator_stats allocator::stats() const {
       cached_b += n * b.slot_size;
     }
     // A block the heap took back is the heap's free memory again (take_back_large).
-    const std::uint64_t held = c->large_cached.get(), taken = c->large_taken.load(std::memory_order_relaxed);
+    const std::uint64_t held = c->large_cached.get(), taken = c->large_taken;
     const std::uint64_t large = held > taken ? held - taken : 0;
     cached_b += large;
     cached_n += large != 0;
@@ -124,7 +124,7 @@ std::string allocator::check() const {
             return "a thread-cached slot is not in state 2 of its class";
       if (c->large.cached != (c->large_cached.get() != 0) || (c->large.cached && c->large_cached.get() != c->large.r.size))
         return "thread cache's large block count is off";
-      if (c->large.cached && !c->large_taken.load(std::memory_order_relaxed) && p_->hp->usable_size(c->large.p) != 0)
+      if (c->large.cached && !c->large_taken && p_->hp->usable_size(c->large.p) != 0)
         return "a thread-cached large block is still the user's";
     } else {
       others = true;

@@ -91,7 +91,7 @@ void allocator::impl::return_large(tcache& c) {
   c.large.cached = false;
   c.large.p = 0;
   c.large_cached.add(-std::uint64_t{c.large.r.size});
-  c.large_taken.store(0, std::memory_order_relaxed);
+  c.large_taken = 0;
   c.flushed.add(1);
 }
 
@@ -101,9 +101,9 @@ bool allocator::impl::take_back_large() {
     // large.p and large.r change under mu only; large.cached is its thread's (not read here):
     // the block word says whether the block is cached now.
     const auto& L = c->large;
-    if (!L.p || c->large_taken.load(std::memory_order_relaxed)) continue;
+    if (!L.p || c->large_taken) continue;
     if (hp->cache_return(L.p, L.r)) {
-      c->large_taken.store(L.r.size, std::memory_order_relaxed);
+      c->large_taken = L.r.size;
       any = true;
     }
   }

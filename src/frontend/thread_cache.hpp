@@ -55,10 +55,10 @@ struct tcache {
   const entry* last = nullptr;  // the entry of the slot popped last (see try_deallocate)
   // large_cached: bytes of the cached large block (0 when none).
   owner_counter req_delta, large_cached, fast_allocs, fast_frees, refilled, flushed;
-  // The cached block's bytes once the heap took it back (take_back_large, under the allocator's
-  // lock), until its thread's return_large (under the lock too) sees it gone: stats() subtracts
-  // it from large_cached, which only the owning thread writes.
-  std::atomic<std::size_t> large_taken{0};
+  // The cached block's bytes once the heap took it back (take_back_large), until its thread's
+  // return_large sees it gone: stats() subtracts it from large_cached, which only the owning
+  // thread writes. Written and read under the allocator's lock only.
+  std::size_t large_taken = 0;
   bool holds_any() const {
     for (const auto& b : bins)
       if (b.n.get()) return true;

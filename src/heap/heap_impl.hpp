@@ -162,14 +162,7 @@ struct heap::impl {
 
   arena& a;
   std::function<bool()> before_growth;  // heap::set_before_growth
-  bool taking_back = false;             // before_growth is running (it frees into this heap)
-  bool take_back_cached() {
-    if (!before_growth || taking_back) return false;
-    taking_back = true;
-    const bool any = before_growth();
-    taking_back = false;
-    return any;
-  }
+  bool take_back_cached() { return before_growth && before_growth(); }
   bool private_pool = false;  // a graph pool's: every mapped byte stays (see heap::set_private)
   std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;

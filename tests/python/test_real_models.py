@@ -153,6 +153,13 @@ class Pure(unittest.TestCase):
         self.assertIn("VMMALLOC_RELEASE_THRESHOLD=0", md)
         self.assertIn("FAILED", md)
 
+    def test_generate_cell_shows_the_last_pass_and_the_first(self):
+        gens = [{"shape": [1, 2, 3], "tokens": [[1, 2, 3]]}]
+        self.assertEqual(rm.generate_cell({"generate": gens, "generate_s": 0.5}), "0.50")
+        self.assertEqual(rm.generate_cell({"generate": gens, "generate_s": 0.5, "generate_first_s": 0.75,
+                                           "generate_passes_s": [0.75, 0.5]}), "0.50 (0.75)")
+        self.assertEqual(rm.generate_cell({"generate": [], "generate_s": 0.5}), "-")
+
     def test_workloads(self):
         for name, m in rm.MODELS.items():
             for mode in ("quick", "full"):
@@ -217,7 +224,8 @@ class Driver(unittest.TestCase):
         return p.stdout, res, out
 
     def test_all_pass(self):
-        text, res, out = self.run_suite({}, "--env", "VMMALLOC_RELEASE_THRESHOLD=0", expect_rc=0)
+        text, res, out = self.run_suite({}, "--env", "VMMALLOC_RELEASE_THRESHOLD=0", "--generate-passes", "2",
+                                        expect_rc=0)
         self.assertTrue(res["passed"])
         self.assertEqual(len(res["runs"]), 12)
         self.assertEqual({r["status"] for r in res["runs"]}, {"ok"})
@@ -227,6 +235,10 @@ class Driver(unittest.TestCase):
                              "0" if r["allocator"] == "vmmalloc" else None)
         self.assertIn("real_models: passed", text)
         self.assertRegex(text, r"llama +vmmalloc +ok in [0-9.]+ s")  # each run's time is printed
+        llama = next(r for r in res["runs"] if r["model"] == "llama" and r["allocator"] == "vmmalloc")
+        self.assertEqual(len(llama["generate_passes_s"]), 2)  # --generate-passes reaches the workers
+        with open(os.path.join(out, "real_models.md")) as f:
+            self.assertIn("| 0.02 (0.04) |", f.read())  # the last pass, the first in brackets
 
     def test_failures_hangs_and_mismatches_are_reported_and_the_rest_runs(self):
         fake = {"fail": ["bert/expandable"], "hang": ["moe/async"], "loss": {"llama/async": 1.0},

@@ -782,6 +782,7 @@ def run_workload(a, res, save, torch, transformers, t0):
                 tg = time.perf_counter()
                 for i, (b, p, n) in enumerate(spec["generate"]):
                     ids = torch.randint(5, vocab, (b, p), generator=gg).to(dev)
+                    d0 = driver_ns() if driver_ns else None
                     g0 = time.perf_counter()
                     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
@@ -791,11 +792,16 @@ def run_workload(a, res, save, torch, transformers, t0):
                     toks = out[:, p:].cpu()
                     if tuple(toks.shape) != (b, n):
                         raise RuntimeError("generate call %d made %s tokens, not %s" % (i, tuple(toks.shape), (b, n)))
+                    dsecs = (driver_ns() - d0) / 1e9 if driver_ns else None
                     if npass == 0:
                         gens.append({"shape": [b, p, n], "seconds": secs, "tokens_per_s": b * n / secs,
                                      "tokens": toks.tolist()})
+                        if dsecs is not None:
+                            gens[i]["vmm_driver_s"] = dsecs
                     else:
                         gens[i].setdefault("later_seconds", []).append(secs)
+                        if dsecs is not None:
+                            gens[i].setdefault("later_vmm_driver_s", []).append(dsecs)
                         if toks.tolist() != gens[i]["tokens"]:
                             raise RuntimeError("generate call %d: pass %d made other tokens than pass 1" % (i, npass + 1))
                     del out, ids

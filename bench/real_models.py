@@ -251,6 +251,12 @@ def first_token_difference(a, b):
     return {"row": first[0], "position": first[1], "differing": differing, "total": total}
 
 
+def run_label(run, labels=None):
+    """The allocator's name (its table label with labels=LABEL), with the round from the second on."""
+    name = (labels or {}).get(run["allocator"], run["allocator"])
+    return name if run.get("round", 1) == 1 else "%s #%d" % (name, run["round"])
+
+
 def compare_runs(runs, rtol):
     """Outputs of every passed run against the model's reference run (the first passed one in
     allocator order). Returns a list of comparison dicts; `mismatches` lists what differs."""
@@ -264,7 +270,7 @@ def compare_runs(runs, rtol):
             continue
         ref = ok[0]
         for r in ok[1:]:
-            c = {"model": model, "allocator": r["allocator"], "reference": ref["allocator"], "mismatches": []}
+            c = {"model": model, "allocator": run_label(r), "reference": run_label(ref), "mismatches": []}
             la, lb = ref.get("losses", []), r.get("losses", [])
             c["losses_exact"] = la == lb
             worst = 0.0
@@ -314,7 +320,7 @@ def outputs_cell(run, comparisons):
     if run.get("status") != "ok":
         return ""
     for c in comparisons:
-        if c["model"] == run["model"] and c["allocator"] == run["allocator"]:
+        if c["model"] == run["model"] and c["allocator"] == run_label(run):
             if c["mismatches"]:
                 return "**MISMATCH** (%d)" % len(c["mismatches"])
             losses = "losses exact" if c["losses_exact"] else "losses within rtol (max %.1e)" % c["losses_max_rel"]
@@ -349,9 +355,10 @@ def markdown(result):
     lines += ["", "| model | allocator | peak held GiB | peak allocated GiB | held / allocated | held vs caching "
                   "| held peak reached in | step median ms | train s | generate s | run s | outputs |",
               "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
-    caching_held = {r["model"]: r.get("held_peak") for r in runs if r["allocator"] == "caching" and r.get("status") == "ok"}
+    caching_held = {r["model"]: r.get("held_peak") for r in runs
+                    if r["allocator"] == "caching" and r.get("round", 1) == 1 and r.get("status") == "ok"}
     for r in runs:
-        head = "| %s | %s " % (r["model"], LABEL.get(r["allocator"], r["allocator"]))
+        head = "| %s | %s " % (r["model"], run_label(r, LABEL))
         bad = status_cell(r)
         if bad:
             lines.append(head + "| %s | | | | | | | | %s | |" % (bad, "%.0f" % r["wall_s"] if r.get("wall_s") else ""))
@@ -371,6 +378,7 @@ def markdown(result):
                       "; ".join("%s %s" % (LABEL[a], HELD_SOURCE[a]) for a in ALLOCATORS),
                       "; ".join("%s %s" % (LABEL[a], ALLOC_SOURCE[a]) for a in ALLOCATORS))]
     ok = [r for r in runs if r.get("status") == "ok"]
+    lines += rounds_table(ok)
     if ok:
         lines += ["", "Peak held by phase (GiB; peaks reset at each phase's start) and device memory in use "
                       "(cudaMemGetInfo above the process's start, the most seen after any step):", "",
@@ -380,7 +388,7 @@ def markdown(result):
             ph = r.get("phase_peaks", {})
             dev = r.get("device_used", {})
             lines.append("| %s | %s | %s | %s | %s | %s |" % (
-                r["model"], LABEL[r["allocator"]], gib(ph.get("init", {}).get("held")),
+                r["model"], run_label(r, LABEL), gib(ph.get("init", {}).get("held")),
                 gib(ph.get("train", {}).get("held")), gib(ph.get("generate", {}).get("held")),
                 gib(dev.get("max_above_start"))))
     vm = [r for r in ok if r["allocator"] == "vmmalloc" and r.get("vmm_at_peak")]
@@ -392,7 +400,7 @@ def markdown(result):
         for r in vm:
             s = r["vmm_at_peak"]
             lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-                r["model"], s.get("at", "-"), gib(s.get("peak_physical")), gib(s.get("requested")),
+                run_label(dict(r, allocator=r["model"])), s.get("at", "-"), gib(s.get("peak_physical")), gib(s.get("requested")),
                 gib(s.get("allocated")), gib(s.get("mapped")), gib(s.get("idle")), gib(s.get("free_chunk_bytes")),
                 gib(s.get("slab_bytes")), s.get("deferred", "-"), s.get("live", "-")))
     vt = [r for r in ok if r["allocator"] == "vmmalloc" and r.get("vmm_stats_end", {}).get("driver_ns") is not None]
@@ -408,7 +416,7 @@ def markdown(result):
             busy = (r.get("train_s") or 0.0) + (r.get("generate_s") or 0.0)
             ms = lambda k: "%.2f" % (r[k] * 1e3) if r.get(k) is not None else "-"
             lines.append("| %s | %d | %d | %d | %d | %d | %d | %.1f | %d / %d / %d | %.1f | %d | %.2f | %s | %s |" % (
-                r["model"], e.get("driver_calls", 0), e.get("creates", 0), e.get("maps", 0), e.get("unmaps", 0),
+                run_label(dict(r, allocator=r["model"])), e.get("driver_calls", 0), e.get("creates", 0), e.get("maps", 0), e.get("unmaps", 0),
                 e.get("set_access_calls", 0), e.get("releases", 0), e["driver_ns"] / 1e6, e.get("record_fences", 0),
                 e.get("fence_queries", 0), e.get("fence_waits", 0), e.get("fence_ns", 0) / 1e6,
                 e.get("chunks_retired", 0), busy, ms("median_step_driver_s"), ms("median_step_without_driver_s")))
@@ -425,11 +433,52 @@ def markdown(result):
     return "\n".join(lines)
 
 
+def rounds_table(ok):
+    """With --rounds: per model and allocator the median over rounds, and each round's ratio to the
+    reference allocator (the first of --allocators) of the same round: processes of one allocator
+    moved by 10-35 % in step and generate times between runs on one machine, so a single pair of
+    runs says little about a few percent."""
+    if not any(r.get("round", 1) > 1 for r in ok):
+        return []
+    med = lambda xs: statistics.median(xs) if xs else None
+    out = ["", "Across rounds (each round runs every model and allocator once, in the same order; "
+               "ratios against the same round's %s run; median of the rounds):" % "first allocator", "",
+           "| model | allocator | rounds | peak held GiB, min-max | step median ms | step vs reference, per round | "
+           "generate s | generate vs reference, per round |", "|---|---|---:|---|---:|---|---:|---|"]
+    models = list(dict.fromkeys(r["model"] for r in ok))
+    for m in models:
+        rs = [r for r in ok if r["model"] == m]
+        allocs = list(dict.fromkeys(r["allocator"] for r in rs))
+        ref = allocs[0]
+        by = {(r["allocator"], r.get("round", 1)): r for r in rs}
+        for al in allocs:
+            mine = sorted((r for r in rs if r["allocator"] == al), key=lambda r: r.get("round", 1))
+            held = [r["held_peak"] for r in mine if r.get("held_peak")]
+            def ratios(key):
+                out_r = []
+                for r in mine:
+                    b = by.get((ref, r.get("round", 1)))
+                    if b and r.get(key) and b.get(key):
+                        out_r.append(r[key] / b[key])
+                return out_r
+            steps = [r["median_step_s"] * 1e3 for r in mine if r.get("median_step_s") is not None]
+            gens = [r["generate_s"] for r in mine if r.get("generate")]
+            sr, gr = ratios("median_step_s"), [x for x in ratios("generate_s")] if gens else []
+            cell = lambda rr: "-" if not rr or al == ref else "%s (median %.3f)" % (
+                " / ".join("%.3f" % x for x in rr), med(rr))
+            out.append("| %s | %s | %d | %s | %s | %s | %s | %s |" % (
+                m, LABEL.get(al, al), len(mine),
+                "%s-%s" % (gib(min(held)), gib(max(held))) if held else "-",
+                "%.1f" % med(steps) if steps else "-", cell(sr),
+                "%.2f" % med(gens) if gens else "-", cell(gr) if gens else "-"))
+    return out
+
+
 def judge(runs, comparisons):
     """(failures, notes) for the whole suite."""
     failures, notes = [], []
     for r in runs:
-        name = "%s / %s" % (r["model"], r["allocator"])
+        name = "%s / %s" % (r["model"], run_label(r))
         st = r.get("status")
         if st == "skipped":
             notes.append("%s skipped: %s" % (name, r.get("reason", "")))
@@ -913,10 +962,11 @@ def child_env(allocator, a, trace_path=None):
     return env
 
 
-def run_one(a, model, allocator, timeout, logdir, trace_path=None):
+def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
     """Runs one worker process; returns its result dict with wall_s, exit_code, status."""
-    result_path = os.path.join(logdir, "%s-%s.json" % (model, allocator))
-    log_path = os.path.join(logdir, "%s-%s.log" % (model, allocator))
+    tag = "%s-%s" % (model, allocator) + ("" if rnd == 1 else "-r%d" % rnd)
+    result_path = os.path.join(logdir, tag + ".json")
+    log_path = os.path.join(logdir, tag + ".log")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--allocator", allocator,
            "--mode", a.mode, "--result", result_path, "--attn", a.attn, "--moe-experts", a.moe_experts,
            "--generate-passes", str(a.generate_passes)]
@@ -1000,7 +1050,7 @@ def replay_trace(a, run, trace_gz, budget_left, runs):
     with open(js) as f:
         rows = json.load(f)
     out["status"] = "replayed in %.0f s" % out["replay_s"]
-    real = {r["allocator"]: r for r in runs if r["model"] == "llama" and r.get("status") == "ok"}
+    real = {r["allocator"]: r for r in runs if r["model"] == "llama" and r.get("round", 1) == 1 and r.get("status") == "ok"}
     for r in rows:
         name = r.get("name")
         if name == "null":
@@ -1047,51 +1097,52 @@ def driver(a):
     runs, slowest = [], {}
     skip77 = False
     trace_section = None
-    for model in a.models:
-        for alloc in a.allocators:
-            elapsed = time.perf_counter() - T_START
-            est = slowest.get(model, MODELS[model][a.mode]["estimate_s"])
-            left = (a.budget - elapsed) if a.budget else None
-            if skip77:
-                runs.append({"model": model, "allocator": alloc, "status": "skipped", "reason": "no torch/CUDA"})
-                continue
-            if left is not None and est > left:
-                runs.append({"model": model, "allocator": alloc, "status": "skipped",
-                             "reason": "time budget (~%.0f s needed, %.0f s left)" % (est, max(0, left))})
-                print("[%4.0fs] %-6s %-10s skipped: ~%.0f s does not fit the %.0f s left of the budget" % (
-                    elapsed, model, alloc, est, max(0, left)), flush=True)
-                continue
-            limit = a.run_timeout if left is None else min(a.run_timeout, left)
-            tpath = None
-            if trace_dir and model == a.trace_model and alloc == "vmmalloc":
-                tpath = os.path.join(trace_dir, "%s-vmmalloc.trace" % model)
-            r = run_one(a, model, alloc, limit, logdir, tpath)
-            if r.get("status") == "skipped" and r.get("exit77"):
-                skip77 = True
-            if r.get("status") == "ok":
-                slowest[model] = max(slowest.get(model, 0.0), r["wall_s"] * 1.1 + 3)
-            runs.append(r)
-            print("[%4.0fs] %-6s %-10s %s in %.1f s%s" % (
-                time.perf_counter() - T_START, model, alloc, r.get("status"), r["wall_s"],
-                "" if r.get("status") != "ok" else ": held %s GiB, allocated %s GiB, step median %.1f ms, "
-                "train %.2f s, generate %.2f s (import %.1f s, init %.1f s)" % (
-                    gib(r.get("held_peak")), gib(r.get("alloc_peak")), (r.get("median_step_s") or 0) * 1e3,
-                    r.get("train_s") or 0, r.get("generate_s") or 0, r.get("import_s") or 0, r.get("init_s") or 0)),
-                flush=True)
-            if r.get("status") not in ("ok", "skipped"):
-                print("       %s\n       log tail:\n%s" % (r.get("error"), "\n".join(
-                    "       | " + ln for ln in r.get("log_tail", "").splitlines()[-25:])), flush=True)
-            if tpath and os.path.exists(tpath):
-                gz = tpath + ".gz"
-                with open(tpath, "rb") as src, gzip.open(gz, "wb", compresslevel=9) as dst:
-                    shutil.copyfileobj(src, dst)
-                os.remove(tpath)
-                left = (a.budget - (time.perf_counter() - T_START)) if a.budget else 600
-                trace_section = {"run_status": r.get("status"), "size_bytes": os.path.getsize(gz)}
-                trace_section.update(replay_trace(a, r, gz, left, runs) if r.get("status") == "ok"
-                                     else {"path": gz, "status": "recorded by a run that failed", "rows": []})
-            elif tpath:
-                trace_section = {"path": tpath, "status": "no trace written (the run %s)" % r.get("status"), "rows": []}
+    for rnd, model, alloc in ((r, m, al) for r in range(1, a.rounds + 1) for m in a.models for al in a.allocators):
+        elapsed = time.perf_counter() - T_START
+        est = slowest.get(model, MODELS[model][a.mode]["estimate_s"])
+        left = (a.budget - elapsed) if a.budget else None
+        if skip77:
+            runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
+                         "reason": "no torch/CUDA"})
+            continue
+        if left is not None and est > left:
+            runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
+                         "reason": "time budget (~%.0f s needed, %.0f s left)" % (est, max(0, left))})
+            print("[%4.0fs] %-6s %-10s skipped: ~%.0f s does not fit the %.0f s left of the budget" % (
+                elapsed, model, run_label(runs[-1]), est, max(0, left)), flush=True)
+            continue
+        limit = a.run_timeout if left is None else min(a.run_timeout, left)
+        tpath = None
+        if trace_dir and model == a.trace_model and alloc == "vmmalloc" and rnd == 1:
+            tpath = os.path.join(trace_dir, "%s-vmmalloc.trace" % model)
+        r = run_one(a, model, alloc, limit, logdir, tpath, rnd)
+        r["round"] = rnd
+        if r.get("status") == "skipped" and r.get("exit77"):
+            skip77 = True
+        if r.get("status") == "ok":
+            slowest[model] = max(slowest.get(model, 0.0), r["wall_s"] * 1.1 + 3)
+        runs.append(r)
+        print("[%4.0fs] %-6s %-10s %s in %.1f s%s" % (
+            time.perf_counter() - T_START, model, run_label(r), r.get("status"), r["wall_s"],
+            "" if r.get("status") != "ok" else ": held %s GiB, allocated %s GiB, step median %.1f ms, "
+            "train %.2f s, generate %.2f s (import %.1f s, init %.1f s)" % (
+                gib(r.get("held_peak")), gib(r.get("alloc_peak")), (r.get("median_step_s") or 0) * 1e3,
+                r.get("train_s") or 0, r.get("generate_s") or 0, r.get("import_s") or 0, r.get("init_s") or 0)),
+            flush=True)
+        if r.get("status") not in ("ok", "skipped"):
+            print("       %s\n       log tail:\n%s" % (r.get("error"), "\n".join(
+                "       | " + ln for ln in r.get("log_tail", "").splitlines()[-25:])), flush=True)
+        if tpath and os.path.exists(tpath):
+            gz = tpath + ".gz"
+            with open(tpath, "rb") as src, gzip.open(gz, "wb", compresslevel=9) as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(tpath)
+            left = (a.budget - (time.perf_counter() - T_START)) if a.budget else 600
+            trace_section = {"run_status": r.get("status"), "size_bytes": os.path.getsize(gz)}
+            trace_section.update(replay_trace(a, r, gz, left, runs) if r.get("status") == "ok"
+                                 else {"path": gz, "status": "recorded by a run that failed", "rows": []})
+        elif tpath:
+            trace_section = {"path": tpath, "status": "no trace written (the run %s)" % r.get("status"), "rows": []}
     if skip77 and not any(r.get("status") == "ok" for r in runs):
         print("real_models: skipped: %s" % next((r.get("reason") for r in runs if r.get("exit77")), "no CUDA"))
         shutil.rmtree(logdir, ignore_errors=True)
@@ -1155,6 +1206,8 @@ def parse(argv=None):
     p.add_argument("--loss-rtol", type=float, default=1e-3, help="relative tolerance of training losses")
     p.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     p.add_argument("--moe-experts", default="eager", help="transformers' experts implementation of the moe model")
+    p.add_argument("--rounds", type=int, default=1, help="run every model and allocator this many times, "
+                   "round after round; a table gives the medians and each round's ratios to the first allocator")
     p.add_argument("--generate-passes", type=int, help="times the generate() calls run in one process; the "
                    "table shows the last pass and the first in brackets (default 2 --full, 1 --quick)")
     p.add_argument("--nondeterministic", action="store_true", help="leave PyTorch's deterministic settings off")
@@ -1187,6 +1240,8 @@ def parse(argv=None):
         a.generate_passes = 2 if a.full else 1
     elif a.generate_passes < 1:
         p.error("--generate-passes must be at least 1")
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
     return a
 
 

@@ -160,6 +160,28 @@ class Pure(unittest.TestCase):
                                            "generate_passes_s": [0.75, 0.5]}), "0.50 (0.75)")
         self.assertEqual(rm.generate_cell({"generate": [], "generate_s": 0.5}), "-")
 
+    def test_rounds_table_gives_medians_and_per_round_ratios(self):
+        gens = [{"shape": [1, 2, 3], "tokens": [[1, 2, 3]]}]
+        runs = []
+        for rnd, (e_step, v_step, e_gen, v_gen) in enumerate([(0.100, 0.090, 2.0, 2.2), (0.100, 0.110, 2.0, 1.8),
+                                                              (0.200, 0.210, 4.0, 4.0)], start=1):
+            runs.append(run_entry("moe", "expandable", [1.0], gens, round=rnd, median_step_s=e_step, generate_s=e_gen,
+                                  held_peak=(10 + rnd) << 30))
+            runs.append(run_entry("moe", "vmmalloc", [1.0], gens, round=rnd, median_step_s=v_step, generate_s=v_gen,
+                                  held_peak=12 << 30))
+        rows = [ln.split(" | ") for ln in rm.rounds_table(runs) if ln.startswith("| moe")]
+        self.assertEqual(len(rows), 2)
+        e, v = rows
+        self.assertEqual(e[2:4], ["3", "11.00-13.00"])
+        self.assertEqual(e[4], "100.0")  # median of 100, 100, 200 ms
+        self.assertEqual(e[5], "-")  # the reference has no ratio to itself
+        self.assertEqual(v[4], "110.0")
+        self.assertEqual(v[5], "0.900 / 1.100 / 1.050 (median 1.050)")
+        self.assertEqual(v[7].rstrip(" |"), "1.100 / 0.900 / 1.000 (median 1.000)")
+        self.assertEqual(rm.rounds_table(runs[:2]), [])  # one round: no table
+        self.assertEqual(rm.run_label(runs[3], rm.LABEL), "vmmalloc #2")
+        self.assertEqual(rm.run_label(runs[1], rm.LABEL), "vmmalloc")
+
     def test_workloads(self):
         for name, m in rm.MODELS.items():
             for mode in ("quick", "full"):
@@ -256,6 +278,23 @@ class Driver(unittest.TestCase):
         self.assertIn("moe / vmmalloc vs caching: generate call 0", f)
         self.assertIn("**MISMATCH**", text)
         self.assertFalse(res["passed"])
+
+    def test_rounds_run_every_pair_again_and_compare_every_round(self):
+        fake = {"flip": ["llama/vmmalloc"]}
+        text, res, out = self.run_suite(fake, "--models", "llama,bert", "--allocators", "caching,vmmalloc",
+                                        "--rounds", "2", expect_rc=1)
+        self.assertEqual([(r["model"], r["allocator"], r["round"]) for r in res["runs"]],
+                         [(m, a, n) for n in (1, 2) for m in ("llama", "bert") for a in ("caching", "vmmalloc")])
+        self.assertEqual(len(res["comparisons"]), 6)  # each model: 3 runs against its first
+        with open(os.path.join(out, "real_models.md")) as f:
+            md = f.read()
+        self.assertIn("| llama | vmmalloc #2 |", md)
+        self.assertIn("Across rounds", md)
+        self.assertIn("| llama | vmmalloc | 2 |", md)
+        fails = [f for f in res["failures"] if "tokens differ" in f]
+        self.assertEqual(len(fails), 2, res["failures"])  # both rounds' flipped tokens are caught
+        self.assertTrue(any("vmmalloc #2 vs caching" in f for f in fails))
+        self.assertTrue(os.path.exists(os.path.join(out, "real_models.json")))
 
     def test_no_cuda_is_a_skip(self):
         text, res, _ = self.run_suite({"skip77": True}, expect_rc=77)

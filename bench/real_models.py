@@ -436,7 +436,7 @@ def markdown(result):
 def rounds_table(ok):
     """With --rounds: per model and allocator the median over rounds, and each round's ratio to the
     reference allocator (the first of --allocators) of the same round: processes of one allocator
-    moved by 10-35 % in step and generate times between runs on one machine, so a single pair of
+    moved by up to 32 % (median step) and 46 % (generate) between runs on one machine, so a single pair of
     runs says little about a few percent."""
     if not any(r.get("round", 1) > 1 for r in ok):
         return []
@@ -822,7 +822,7 @@ def run_workload(a, res, save, torch, transformers, t0):
             if getattr(model.config, "output_router_logits", False):
                 model.config.output_router_logits = False  # the auxiliary loss is for training only
             # Pass 1 includes first-call costs (kernel selection, cuBLAS workspaces); later passes
-            # repeat the same calls warm (one allocator's generate times moved by up to 20 % between
+            # repeat the same calls warm (one allocator's generate times moved by up to 46 % between
             # processes). generate_s is the last pass, generate_first_s the first; every pass must
             # make the same tokens.
             passes = []

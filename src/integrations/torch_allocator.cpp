@@ -23,6 +23,7 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "vmmalloc/cuda_backend.hpp"
@@ -91,9 +92,9 @@ struct peer_spec {
 };
 
 // "auto", else the list as vmm::set_option reads it ("none", "1,3"), of real device ordinals.
-peer_spec parse_peers(const vmm::option_info& row, const char* text) {
+peer_spec parse_peers(const vmm::option_info& row, const char* text, const std::string& var) {
   peer_spec p;
-  p.var = row.env;
+  p.var = var;
   if (lower(text) == "auto") return p;
   p.automatic = false;
   vmm::options scratch;
@@ -105,9 +106,43 @@ peer_spec parse_peers(const vmm::option_info& row, const char* text) {
   return p;
 }
 
-// The options of one device's allocator from the environment: every row of the options table
-// (options.def, README.md) with a variable that is set and not empty, parsed by vmm::set_option
-// with messages naming the variable. Two kinds mean more here:
+// VMMALLOC_OPTIONS: "name=value,name=value" for any row of the options table by name, also rows
+// with no variable of their own (what PYTORCH_CUDA_ALLOC_CONF is to PyTorch's allocator). An item
+// with no '=' continues the value before it, so lists keep their commas ("peers=1,3"). Returns
+// (row, value) pairs in order; throws env_error naming the item.
+std::vector<std::pair<const vmm::option_info*, std::string>> options_list(const char* text) {
+  std::vector<std::pair<const vmm::option_info*, std::string>> out;
+  std::string t = text;
+  for (std::size_t i = 0; i <= t.size();) {
+    std::size_t j = std::min(t.find(',', i), t.size());
+    std::string item = t.substr(i, j - i);
+    i = j + 1;
+    auto eq = item.find('=');
+    if (eq == std::string::npos) {
+      if (out.empty())
+        throw env_error("VMMALLOC_OPTIONS='" + t + "': '" + item + "' is not name=value");
+      out.back().second += "," + item;
+      continue;
+    }
+    std::string name = item.substr(0, eq);
+    const vmm::option_info* row = vmm::find_option(name);
+    if (!row) {  // set_option's message lists the names
+      vmm::options scratch;
+      std::string why;
+      (void)vmm::set_option(scratch, name, item.substr(eq + 1), &why);
+      throw env_error("VMMALLOC_OPTIONS: " + why);
+    }
+    if (row->name == "device")
+      throw env_error("VMMALLOC_OPTIONS: 'device' is not an option here (each device has its allocator)");
+    out.emplace_back(row, item.substr(eq + 1));
+  }
+  return out;
+}
+
+// The options of one device's allocator from the environment: VMMALLOC_OPTIONS first, then every
+// row of the options table (options.def, README.md) with a variable that is set and not empty
+// (so a row's own variable wins over the list), parsed by vmm::set_option with messages naming
+// the variable. Two kinds mean more here:
 //   peers  "auto" (the default) = every device that can access the owner, resolved in create()
 //   path   one file per device: "%d" is replaced by the device ordinal; without it device 0 uses
 //          the path itself and device d "<path>.<d>", so two devices never share a file (the trace:
@@ -117,13 +152,11 @@ peer_spec parse_peers(const vmm::option_info& row, const char* text) {
 vmm::options options_from_env(int device, peer_spec& peers) {
   vmm::options o;
   o.device = device;
-  for (const vmm::option_info& row : vmm::option_table()) {
-    const char* v = row.env.empty() ? nullptr : env(std::string(row.env).c_str());
-    if (!v) continue;
-    std::string text = v, why;
+  auto apply = [&](const vmm::option_info& row, std::string text, const std::string& label) {
+    std::string why;
     if (row.kind == vmm::option_kind::peers) {
-      peers = parse_peers(row, v);
-      continue;
+      peers = parse_peers(row, text.c_str(), label);
+      return;
     }
     if (row.kind == vmm::option_kind::path) {
       if (auto at = text.find("%d"); at != std::string::npos)
@@ -131,8 +164,14 @@ vmm::options options_from_env(int device, peer_spec& peers) {
       else if (device != 0)
         text += "." + std::to_string(device);
     }
-    if (!vmm::set_option(o, row, text, &why, row.env).ok()) throw env_error(why);
-  }
+    if (!vmm::set_option(o, row, text, &why, label).ok()) throw env_error(why);
+  };
+  if (const char* list = env("VMMALLOC_OPTIONS"))
+    for (auto& [row, value] : options_list(list))
+      apply(*row, value, "VMMALLOC_OPTIONS " + std::string(row->name));
+  for (const vmm::option_info& row : vmm::option_table())
+    if (const char* v = row.env.empty() ? nullptr : env(std::string(row.env).c_str()))
+      apply(row, v, std::string(row.env));
   return o;
 }
 

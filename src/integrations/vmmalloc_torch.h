@@ -16,7 +16,7 @@
  * generated from include/vmmalloc/options.def), values as vmm::set_option reads them: sizes take a
  * binary suffix (512M, 8G, 1T, 64KiB) or "max" where the table allows it, booleans 0/1. A bad value
  * makes creation fail with a message naming the variable (the allocation then fails; nothing is
- * guessed). Two mean more here:
+ * guessed). Three mean more here:
  *   VMMALLOC_PEERS              "auto" (default: every device that can access the owner),
  *                               "none", or a comma list of device ordinals ("1,3")
  *   VMMALLOC_TRACE              one file per device: "%d" is replaced by the device ordinal, else
@@ -25,6 +25,9 @@
  *                               every malloc/free with its stream, recording thread (1, 2, ... by
  *                               first event) and time (ns since the allocator was created); replay
  *                               it with vmm-replay (its threads and streams), plot it with vmm-plot
+ *   VMMALLOC_OPTIONS            any row of the table by name, with or without a variable of its
+ *                               own: "stitch_on_grow=0,max_growth=32M,peers=1,3" (an item with no
+ *                               '=' continues the value before it). A row's own variable wins.
  * and one is not an option:
  *   VMMALLOC_TORCH_BACKEND      "cuda" (default) or "host": vmmalloc's host backend (host memory,
  *                               GPU rules, 8 simulated devices), for tests without a GPU

@@ -88,6 +88,59 @@ TEST_CASE("malloc throws std::exception naming the variable for a bad option; si
   CHECK_THROWS_AS(vmm_torch_malloc(4096, 1000, nullptr), std::exception);  // device out of range
 }
 
+namespace {
+// The message of vmm_torch_malloc's exception on device d ("" when it did not throw).
+std::string malloc_error(int d) {
+  try {
+    void* p = vmm_torch_malloc(4096, d, nullptr);
+    vmm_torch_free(p, 4096, d, nullptr);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("VMMALLOC_OPTIONS: bad items throw naming the item and create nothing") {
+  const int d = 1;
+  const char* cases[][2] = {
+      {"nope=1", "VMMALLOC_OPTIONS: unknown option 'nope'"},
+      {"max_growth=lots", "VMMALLOC_OPTIONS max_growth='lots'"},
+      {"stitch_on_grow=false,peak_growth=101", "peak_growth out of range"},  // refused by the arena
+      {"device=2", "'device' is not an option here"},
+      {"32M", "'32M' is not name=value"},
+  };
+  for (auto& c : cases) {
+    setenv("VMMALLOC_OPTIONS", c[0], 1);
+    const std::string what = malloc_error(d);
+    unsetenv("VMMALLOC_OPTIONS");
+    const std::string item = c[0];
+    CAPTURE(item);
+    CAPTURE(what);
+    CHECK(what.find(c[1]) != std::string::npos);
+    CHECK(vmm_torch_initialized(d) == 0);
+  }
+}
+
+TEST_CASE("VMMALLOC_OPTIONS sets rows without a variable of their own; a row's variable wins") {
+  const int d = 1;
+  setenv("VMMALLOC_OPTIONS", "stitch_on_grow=false,max_growth=32M,peers=0,2,thread_cache_large=false", 1);
+  setenv("VMMALLOC_MAX_GROWTH", "16M", 1);
+  REQUIRE(vmm_torch_init(d) == 0);
+  unsetenv("VMMALLOC_OPTIONS");
+  unsetenv("VMMALLOC_MAX_GROWTH");
+  const std::string config = vmm_torch_config(d);
+  CAPTURE(config);
+  CHECK(config.find("stitch_on_grow=false") != std::string::npos);
+  CHECK(config.find("thread_cache_large=false") != std::string::npos);
+  CHECK(config.find("max_growth=16M") != std::string::npos);  // VMMALLOC_MAX_GROWTH over the list
+  CHECK(config.find("peers=[0,2]") != std::string::npos);     // "2" continued the peers value
+  void* p = vmm_torch_malloc(1 << 20, d, nullptr);
+  REQUIRE(p != nullptr);
+  vmm_torch_free(p, 1 << 20, d, nullptr);
+  CHECK(vmm_torch_check(d) == 0);
+}
+
 TEST_CASE("threads racing to create one device's allocator get the same one") {
   constexpr int kThreads = 8, kEach = 200;
   std::vector<std::thread> ts;

@@ -442,8 +442,9 @@ def rounds_table(ok):
     if not any(r.get("round", 1) > 1 for r in ok):
         return []
     med = lambda xs: statistics.median(xs) if xs else None
-    out = ["", "Across rounds (each round runs every model and allocator once, in the same order; "
-               "ratios against the same round's %s run; median of the rounds):" % "first allocator", "",
+    out = ["", "Across rounds (each round runs every model and allocator once, the allocators in reverse "
+               "order in even rounds; ratios against the same round's run of the first allocator; median "
+               "of the rounds):", "",
            "| model | allocator | rounds | peak held GiB, min-max | step median ms | step vs reference, per round | "
            "generate s | generate vs reference, per round |", "|---|---|---:|---|---:|---|---:|---|"]
     models = list(dict.fromkeys(r["model"] for r in ok))
@@ -1098,7 +1099,10 @@ def driver(a):
     runs, slowest = [], {}
     skip77 = False
     trace_section = None
-    for rnd, model, alloc in ((r, m, al) for r in range(1, a.rounds + 1) for m in a.models for al in a.allocators):
+    # Even rounds run the allocators in reverse order (A B, B A, A B ...): neither always runs
+    # first, after a build or another model's process.
+    order = lambda r: a.allocators if r % 2 == 1 else a.allocators[::-1]
+    for rnd, model, alloc in ((r, m, al) for r in range(1, a.rounds + 1) for m in a.models for al in order(r)):
         elapsed = time.perf_counter() - T_START
         est = slowest.get(model, MODELS[model][a.mode]["estimate_s"])
         left = (a.budget - elapsed) if a.budget else None
@@ -1208,7 +1212,8 @@ def parse(argv=None):
     p.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     p.add_argument("--moe-experts", default="eager", help="transformers' experts implementation of the moe model")
     p.add_argument("--rounds", type=int, default=1, help="run every model and allocator this many times, "
-                   "round after round; a table gives the medians and each round's ratios to the first allocator")
+                   "round after round (even rounds in reverse allocator order); a table gives the medians and "
+                   "each round's ratios to the first allocator")
     p.add_argument("--generate-passes", type=int, help="times the generate() calls run in one process; the "
                    "table shows the last pass and the first in brackets (default 2 --full, 1 --quick)")
     p.add_argument("--nondeterministic", action="store_true", help="leave PyTorch's deterministic settings off")

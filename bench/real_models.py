@@ -380,6 +380,7 @@ def markdown(result):
                       "; ".join("%s %s" % (LABEL[a], ALLOC_SOURCE[a]) for a in ALLOCATORS))]
     ok = [r for r in runs if r.get("status") == "ok"]
     lines += rounds_table(ok)
+    lines += profile_table(ok)
     if ok:
         lines += ["", "Peak held by phase (GiB; peaks reset at each phase's start) and device memory in use "
                       "(cudaMemGetInfo above the process's start, the most seen after any step):", "",
@@ -432,6 +433,24 @@ def markdown(result):
     for n in result.get("notes", []):
         lines.append("- note: " + n)
     return "\n".join(lines)
+
+
+def profile_table(ok):
+    """--profile-step: the profiled step of every run."""
+    pr = [r for r in ok if r.get("profile")]
+    if not pr:
+        return []
+    out = ["", "One training step under torch.profiler (--profile-step; an extra step after the timed ones, "
+               "profiler overhead included; self times summed over all operations):", "",
+           "| model | allocator | step | wall ms | GPU kernels ms | CPU ms | most GPU time | most CPU time |",
+           "|---|---|---|---:|---:|---:|---|---|"]
+    top = lambda rows: "; ".join("%s %.1f" % (k.replace("|", "/")[:48], v) for k, v, _ in rows[:2]) or "-"
+    for r in pr:
+        p = r["profile"]
+        out.append("| %s | %s | %s | %.1f | %.1f | %.1f | %s | %s |" % (
+            r["model"], run_label(r, LABEL), step_label("train", p["step"], tuple(p["shape"])), p["seconds"] * 1e3,
+            p["gpu_self_ms"], p["cpu_self_ms"], top(p.get("top_gpu", [])), top(p.get("top_cpu", []))))
+    return out
 
 
 def rounds_table(ok):
@@ -808,6 +827,8 @@ def run_workload(a, res, save, torch, transformers, t0):
             sample("train", step_label("train", i, shape))
         res["train_s"] = time.perf_counter() - tt
         res["steps"], res["losses"] = steps, losses
+        if a.profile_step is not None:
+            profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev)
         res["median_step_s"] = statistics.median(s["seconds"] for s in steps) if steps else None
         if driver_ns and steps:
             res["median_step_driver_s"] = statistics.median(s["vmm_driver_s"] for s in steps)
@@ -889,6 +910,48 @@ def run_workload(a, res, save, torch, transformers, t0):
     return 0
 
 
+def profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev):
+    """--profile-step N: one more training step of shape N after the timed ones (not in steps,
+    losses or the medians), under torch.profiler: where its time went on the GPU (kernels) and on
+    the CPU. A profiler that fails leaves a note; the run goes on."""
+    shapes = spec["train"]
+    if not 0 <= a.profile_step < len(shapes):
+        res["notes"].append("--profile-step %d: this model has steps 0-%d" % (a.profile_step, len(shapes) - 1))
+        return
+    shape = shapes[a.profile_step]
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        g = torch.Generator().manual_seed(SEED + 3)
+        batch = {k: v.to(dev) for k, v in make_batch(torch, family, shape, vocab, num_labels, g).items()}
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            s0 = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(**batch)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            secs = time.perf_counter() - s0
+        del out, batch
+        res["profile"] = dict(profile_summary(prof.key_averages()), step=a.profile_step, shape=list(shape),
+                              seconds=secs)
+    except Exception as e:
+        res["notes"].append("--profile-step: %s: %s" % (type(e).__name__, str(e).splitlines()[0][:200] if str(e) else ""))
+
+
+def profile_summary(events, top=6):
+    """Sums and the top entries of torch.profiler's key_averages(): self times in ms."""
+    def gpu(e):  # self_device_time_total since torch 2.4, self_cuda_time_total before
+        v = getattr(e, "self_device_time_total", None)
+        return (v if v is not None else getattr(e, "self_cuda_time_total", 0)) / 1e3
+    cpu = lambda e: e.self_cpu_time_total / 1e3
+    ev = list(events)
+    return {"gpu_self_ms": sum(gpu(e) for e in ev), "cpu_self_ms": sum(cpu(e) for e in ev),
+            "top_gpu": [[e.key, gpu(e), e.count] for e in sorted(ev, key=gpu, reverse=True)[:top]],
+            "top_cpu": [[e.key, cpu(e), e.count] for e in sorted(ev, key=cpu, reverse=True)[:top]]}
+
+
 def _safe(f):
     try:
         return f()
@@ -925,6 +988,10 @@ def fake_worker(a, res, save):
         toks[0][0][-1] = 8
     res["generate"] = [{"shape": [b, p, n], "seconds": 0.01, "tokens": t} for (b, p, n), t in zip(w["generate"], toks)]
     res["generate_s"] = 0.01 * len(w["generate"])
+    if a.profile_step is not None and 0 <= a.profile_step < len(w["train"]):
+        res["profile"] = {"step": a.profile_step, "shape": list(w["train"][a.profile_step]), "seconds": 0.02,
+                          "gpu_self_ms": 12.5, "cpu_self_ms": 7.25, "top_gpu": [["gemm", 6.0, 4]],
+                          "top_cpu": [["aten::mm", 2.0, 4]]}
     if a.generate_passes > 1 and w["generate"]:
         res["generate_first_s"] = 0.02 * len(w["generate"])
         res["generate_passes_s"] = [res["generate_first_s"]] + [res["generate_s"]] * (a.generate_passes - 1)
@@ -972,6 +1039,8 @@ def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--allocator", allocator,
            "--mode", a.mode, "--result", result_path, "--attn", a.attn, "--moe-experts", a.moe_experts,
            "--generate-passes", str(a.generate_passes)]
+    if a.profile_step is not None:
+        cmd += ["--profile-step", str(a.profile_step)]
     if a.nondeterministic:
         cmd.append("--nondeterministic")
     t0 = time.perf_counter()
@@ -1211,6 +1280,9 @@ def parse(argv=None):
     p.add_argument("--loss-rtol", type=float, default=1e-3, help="relative tolerance of training losses")
     p.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     p.add_argument("--moe-experts", default="eager", help="transformers' experts implementation of the moe model")
+    p.add_argument("--profile-step", type=int, metavar="N", help="one more training step of shape N after the "
+                   "timed ones, under torch.profiler: GPU kernel and CPU self times, and the top operations (its "
+                   "optimizer step changes the weights generate() uses, in every run alike)")
     p.add_argument("--rounds", type=int, default=1, help="run every model and allocator this many times, "
                    "round after round (even rounds in reverse allocator order); a table gives the medians and "
                    "each round's ratios to the first allocator")

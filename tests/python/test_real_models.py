@@ -182,6 +182,23 @@ class Pure(unittest.TestCase):
         self.assertEqual(rm.run_label(runs[3], rm.LABEL), "vmmalloc #2")
         self.assertEqual(rm.run_label(runs[1], rm.LABEL), "vmmalloc")
 
+    def test_profile_summary_and_table(self):
+        class Ev:  # what torch.profiler's key_averages() holds, either name of the device time
+            def __init__(self, key, dev_us, cpu_us, count, old=False):
+                self.key, self.self_cpu_time_total, self.count = key, cpu_us, count
+                setattr(self, "self_cuda_time_total" if old else "self_device_time_total", dev_us)
+        ev = [Ev("gemm", 5000, 100, 4), Ev("aten::nonzero", 300, 2500, 16, old=True), Ev("aten::mm", 0, 900, 4)]
+        p = rm.profile_summary(ev, top=2)
+        self.assertAlmostEqual(p["gpu_self_ms"], 5.3)
+        self.assertAlmostEqual(p["cpu_self_ms"], 3.5)
+        self.assertEqual([k for k, _, _ in p["top_gpu"]], ["gemm", "aten::nonzero"])
+        self.assertEqual([k for k, _, _ in p["top_cpu"]], ["aten::nonzero", "aten::mm"])
+        run = run_entry("moe", "vmmalloc", [1.0], round=2, profile=dict(p, step=3, shape=[2, 2048], seconds=0.25))
+        rows = [ln for ln in rm.profile_table([run]) if ln.startswith("| moe")]
+        self.assertEqual(rows, ["| moe | vmmalloc #2 | train 3 (2x2048) | 250.0 | 5.3 | 3.5 | gemm 5.0; aten::nonzero 0.3 "
+                                "| aten::nonzero 2.5; aten::mm 0.9 |"])
+        self.assertEqual(rm.profile_table([run_entry("moe", "vmmalloc", [1.0])]), [])
+
     def test_workloads(self):
         for name, m in rm.MODELS.items():
             for mode in ("quick", "full"):
@@ -296,6 +313,13 @@ class Driver(unittest.TestCase):
         self.assertEqual(len(fails), 2, res["failures"])  # both rounds' flipped tokens are caught
         self.assertTrue(any("vmmalloc #2 vs caching" in f for f in fails))
         self.assertTrue(os.path.exists(os.path.join(out, "real_models.json")))
+
+    def test_profile_step_reaches_the_workers_and_the_report(self):
+        text, res, out = self.run_suite({}, "--models", "bert", "--allocators", "caching,vmmalloc",
+                                        "--profile-step", "0", expect_rc=0)
+        self.assertEqual([r["profile"]["step"] for r in res["runs"]], [0, 0])
+        with open(os.path.join(out, "real_models.md")) as f:
+            self.assertIn("under torch.profiler", f.read())
 
     def test_no_cuda_is_a_skip(self):
         text, res, _ = self.run_suite({"skip77": True}, expect_rc=77)

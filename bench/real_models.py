@@ -252,10 +252,14 @@ def first_token_difference(a, b):
     return {"row": first[0], "position": first[1], "differing": differing, "total": total}
 
 
+def round_suffix(run):
+    """" #N" for a run of round N >= 2 (--rounds), else ""."""
+    return "" if run.get("round", 1) == 1 else " #%d" % run["round"]
+
+
 def run_label(run, labels=None):
     """The allocator's name (its table label with labels=LABEL), with the round from the second on."""
-    name = (labels or {}).get(run["allocator"], run["allocator"])
-    return name if run.get("round", 1) == 1 else "%s #%d" % (name, run["round"])
+    return (labels or {}).get(run["allocator"], run["allocator"]) + round_suffix(run)
 
 
 def compare_runs(runs, rtol):
@@ -402,7 +406,7 @@ def markdown(result):
         for r in vm:
             s = r["vmm_at_peak"]
             lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-                run_label(dict(r, allocator=r["model"])), s.get("at", "-"), gib(s.get("peak_physical")), gib(s.get("requested")),
+                r["model"] + round_suffix(r), s.get("at", "-"), gib(s.get("peak_physical")), gib(s.get("requested")),
                 gib(s.get("allocated")), gib(s.get("mapped")), gib(s.get("idle")), gib(s.get("free_chunk_bytes")),
                 gib(s.get("slab_bytes")), s.get("deferred", "-"), s.get("live", "-")))
     vt = [r for r in ok if r["allocator"] == "vmmalloc" and r.get("vmm_stats_end", {}).get("driver_ns") is not None]
@@ -418,7 +422,7 @@ def markdown(result):
             busy = (r.get("train_s") or 0.0) + (r.get("generate_s") or 0.0)
             ms = lambda k: "%.2f" % (r[k] * 1e3) if r.get(k) is not None else "-"
             lines.append("| %s | %d | %d | %d | %d | %d | %d | %.1f | %d / %d / %d | %.1f | %d | %.2f | %s | %s |" % (
-                run_label(dict(r, allocator=r["model"])), e.get("driver_calls", 0), e.get("creates", 0), e.get("maps", 0), e.get("unmaps", 0),
+                r["model"] + round_suffix(r), e.get("driver_calls", 0), e.get("creates", 0), e.get("maps", 0), e.get("unmaps", 0),
                 e.get("set_access_calls", 0), e.get("releases", 0), e["driver_ns"] / 1e6, e.get("record_fences", 0),
                 e.get("fence_queries", 0), e.get("fence_waits", 0), e.get("fence_ns", 0) / 1e6,
                 e.get("chunks_retired", 0), busy, ms("median_step_driver_s"), ms("median_step_without_driver_s")))
@@ -484,14 +488,14 @@ def rounds_table(ok):
                 return out_r
             steps = [r["median_step_s"] * 1e3 for r in mine if r.get("median_step_s") is not None]
             gens = [r["generate_s"] for r in mine if r.get("generate")]
-            sr, gr = ratios("median_step_s"), [x for x in ratios("generate_s")] if gens else []
+            sr, gr = ratios("median_step_s"), ratios("generate_s")
             cell = lambda rr: "-" if not rr or al == ref else "%s (median %.3f)" % (
                 " / ".join("%.3f" % x for x in rr), med(rr))
             out.append("| %s | %s | %d | %s | %s | %s | %s | %s |" % (
                 m, LABEL.get(al, al), len(mine),
                 "%s-%s" % (gib(min(held)), gib(max(held))) if held else "-",
                 "%.1f" % med(steps) if steps else "-", cell(sr),
-                "%.2f" % med(gens) if gens else "-", cell(gr) if gens else "-"))
+                "%.2f" % med(gens) if gens else "-", cell(gr)))
     return out
 
 
@@ -811,15 +815,10 @@ def run_workload(a, res, save, torch, transformers, t0):
             batch = {k: v.to(dev) for k, v in make_batch(torch, family, shape, vocab, num_labels, g).items()}
             d0 = driver_ns() if driver_ns else None
             s0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(**batch)
-            loss = out.loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            lv = float(loss.item())  # waits for the step
+            out = train_step(torch, model, opt, batch)
+            lv = float(out.loss.item())  # waits for the step
             secs = time.perf_counter() - s0
-            del out, loss, batch
+            del out, batch
             losses.append(lv)
             steps.append({"shape": list(shape), "loss": lv, "seconds": secs})
             if driver_ns:
@@ -849,7 +848,7 @@ def run_workload(a, res, save, torch, transformers, t0):
             # processes). generate_s is the last pass, generate_first_s the first; every pass must
             # make the same tokens.
             passes = []
-            for npass in range(max(1, a.generate_passes)):
+            for npass in range(a.generate_passes):
                 gg = torch.Generator().manual_seed(SEED + 2)
                 tg = time.perf_counter()
                 for i, (b, p, n) in enumerate(spec["generate"]):
@@ -910,6 +909,17 @@ def run_workload(a, res, save, torch, transformers, t0):
     return 0
 
 
+def train_step(torch, model, opt, batch):
+    """One training step: forward in bf16 autocast, backward, AdamW. Returns the model's output:
+    its loss and logits stay alive until the caller drops it."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(**batch)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return out
+
+
 def profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev):
     """--profile-step N: one more training step of shape N after the timed ones (not in steps,
     losses or the medians), under torch.profiler: where its time went on the GPU (kernels) and on
@@ -926,11 +936,7 @@ def profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             s0 = time.perf_counter()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(**batch)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            out = train_step(torch, model, opt, batch)
             torch.cuda.synchronize()
             secs = time.perf_counter() - s0
         del out, batch

@@ -52,6 +52,10 @@ allocation trace (VMMALLOC_TRACE, trace format v2) into DIR/<model>-vmmalloc.tra
 vmm-replay is found (--replay-bin, else build*/tools/replay/) the trace is replayed on the GPU
 through vmmalloc and cudaMallocAsync so the replay's peaks can be set beside the real process's.
 
+--profile-step N profiles one more training step (GPU kernel time against CPU time); --alloc-probe
+times allocate + free pairs through torch.empty in every process after its runs, and the report
+gives each allocator's ns per pair beside the training steps' allocation count.
+
 Time: a process start with torch and transformers imports costs ~5-10 s. --quick (tiny shapes)
 takes ~10 s a run, ~2 minutes for the 12 runs. --full is sized for one H100: ~20-40 s a run,
 ~5-6 minutes for the 12 runs with two generate passes, under 8.5 with the default --budget of 500 s: a run whose
@@ -75,6 +79,7 @@ import gzip
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -218,6 +223,14 @@ def pick(names, known, what):
 
 def gib(n):
     return "-" if n is None else "%.2f" % (n / GiB)
+
+
+def size_label(n):
+    """512 B, 64 KiB, 1 MiB: a power-of-two size in its largest whole unit."""
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return "%d %s" % (n >> shift, unit)
+    return "%d B" % n
 
 
 def ratio(a, b):
@@ -385,6 +398,7 @@ def markdown(result):
     ok = [r for r in runs if r.get("status") == "ok"]
     lines += rounds_table(ok)
     lines += profile_table(ok)
+    lines += probe_table(ok)
     if ok:
         lines += ["", "Peak held by phase (GiB; peaks reset at each phase's start) and device memory in use "
                       "(cudaMemGetInfo above the process's start, the most seen after any step):", "",
@@ -454,6 +468,27 @@ def profile_table(ok):
         out.append("| %s | %s | %s | %.1f | %.1f | %.1f | %s | %s |" % (
             r["model"], run_label(r, LABEL), step_label("train", p["step"], tuple(p["shape"])), p["seconds"] * 1e3,
             p["gpu_self_ms"], p["cpu_self_ms"], top(p.get("top_gpu", [])), top(p.get("top_cpu", []))))
+    return out
+
+
+def probe_table(ok):
+    """--alloc-probe: ns per allocate + free pair through torch.empty, and the training steps'
+    allocation count (what a difference per pair costs a step)."""
+    pr = [r for r in ok if r.get("alloc_probe_ns")]
+    if not pr:
+        return []
+    sizes = [str(n) for n in PROBE_SIZES] + ["churn"]
+    head = [size_label(int(n)) if n != "churn" else "churn (mixed sizes)" for n in sizes]
+    out = ["", "Allocate + free through torch.empty in each process after its runs (--alloc-probe; ns per pair, "
+               "best of 5 x 20,000, Python's loop included), and allocations per training step (median):", "",
+           "| model | allocator | " + " | ".join(head) + " | allocations per step |",
+           "|---|---|" + "---:|" * (len(sizes) + 1)]
+    for r in pr:
+        p = r["alloc_probe_ns"]
+        n = r.get("median_step_allocations")
+        out.append("| %s | %s | %s | %s |" % (r["model"], run_label(r, LABEL),
+                   " | ".join("%.0f" % p[k] if p.get(k) is not None else "-" for k in sizes),
+                   "{:,.0f}".format(n) if n is not None else "-"))
     return out
 
 
@@ -727,6 +762,7 @@ def run_workload(a, res, save, torch, transformers, t0):
         import vmmalloc.torch as vt
 
         res["vmm_library"] = vt.enable()  # before the first CUDA allocation
+        res["vmm_mode"] = vt.mode()  # "extension" or "pluggable"
         res["vmm_env"] = {k: v for k, v in os.environ.items() if k.startswith("VMMALLOC_")}
     if not a.nondeterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -812,6 +848,7 @@ def run_workload(a, res, save, torch, transformers, t0):
             return s.get("driver_ns", 0) + s.get("fence_ns", 0)
         driver_ns = vmm_driver_ns if vt else None
         for i, shape in enumerate(spec["train"]):
+            n0 = alloc_count(torch, vt)
             batch = {k: v.to(dev) for k, v in make_batch(torch, family, shape, vocab, num_labels, g).items()}
             d0 = driver_ns() if driver_ns else None
             s0 = time.perf_counter()
@@ -823,12 +860,16 @@ def run_workload(a, res, save, torch, transformers, t0):
             steps.append({"shape": list(shape), "loss": lv, "seconds": secs})
             if driver_ns:
                 steps[-1]["vmm_driver_s"] = (driver_ns() - d0) / 1e9
+            if n0 is not None:
+                steps[-1]["allocations"] = alloc_count(torch, vt) - n0
             sample("train", step_label("train", i, shape))
         res["train_s"] = time.perf_counter() - tt
         res["steps"], res["losses"] = steps, losses
         if a.profile_step is not None:
             profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev)
         res["median_step_s"] = statistics.median(s["seconds"] for s in steps) if steps else None
+        if steps and all("allocations" in s for s in steps):
+            res["median_step_allocations"] = statistics.median(s["allocations"] for s in steps)
         if driver_ns and steps:
             res["median_step_driver_s"] = statistics.median(s["vmm_driver_s"] for s in steps)
             res["median_step_without_driver_s"] = statistics.median(s["seconds"] - s["vmm_driver_s"] for s in steps)
@@ -882,6 +923,8 @@ def run_workload(a, res, save, torch, transformers, t0):
             res["generate_first_s"] = passes[0]
             res["generate_s"] = passes[-1]
         res["generate"] = gens
+        if a.alloc_probe:
+            alloc_probe(torch, res, dev)
     res["determinism_warnings"] = sorted({str(w.message).split("\n")[0][:200] for w in caught
                                           if "determinis" in str(w.message)})
 
@@ -907,6 +950,59 @@ def run_workload(a, res, save, torch, transformers, t0):
         a.model, a.allocator, gib(res["held_peak"]), gib(res["alloc_peak"]), res["train_s"],
         res.get("generate_s", 0.0)), flush=True)
     return 0
+
+
+def alloc_count(torch, vt):
+    """Allocation requests so far: vmmalloc's stats, PyTorch's allocator's memory_stats(); None
+    where neither counts them (cudaMallocAsync)."""
+    if vt is not None:
+        return (vt.stats(0) or {}).get("allocs")
+    return torch.cuda.memory_stats().get("allocation.all.allocated")
+
+
+PROBE_SIZES = (512, 64 << 10, 1 << 20, 16 << 20)
+
+
+def alloc_probe(torch, res, dev, pairs=20000, repeats=5):
+    """--alloc-probe: what one allocation costs the CPU through PyTorch in this process, after its
+    training and generate() (the heap as the model left it): torch.empty + del of one size, and a
+    churn of mixed sizes that frees the oldest of 32 live tensors. Best of `repeats`, ns per
+    allocate + free pair, Python's loop included (the same in every process)."""
+    def timed(body):
+        body(pairs // 10)  # warm: caches filled, memory mapped
+        best = None
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            body(pairs)
+            ns = (time.perf_counter_ns() - t0) / pairs
+            best = ns if best is None or ns < best else best
+        return best
+
+    def fixed(n):
+        def body(k):
+            for _ in range(k):
+                t = torch.empty(n, dtype=torch.uint8, device=dev)
+                del t
+        return body
+
+    # Sizes from 256 B to 32 MiB, log-uniform, from a fixed seed: the same sequence in every process.
+    rng = random.Random(SEED)
+    mix = [int(256 * 2 ** rng.uniform(0, 17)) for _ in range(4096)]
+
+    def churn(k):
+        live = [torch.empty(mix[i], dtype=torch.uint8, device=dev) for i in range(32)]
+        for i in range(k):
+            live[i % 32] = torch.empty(mix[i % len(mix)], dtype=torch.uint8, device=dev)
+        del live
+
+    try:
+        torch.cuda.synchronize()
+        out = {str(n): timed(fixed(n)) for n in PROBE_SIZES}
+        out["churn"] = timed(churn)
+        torch.cuda.synchronize()
+        res["alloc_probe_ns"] = out
+    except Exception as e:
+        res["notes"].append("--alloc-probe: %s: %s" % (type(e).__name__, str(e).splitlines()[0][:200] if str(e) else ""))
 
 
 def train_step(torch, model, opt, batch):
@@ -998,6 +1094,10 @@ def fake_worker(a, res, save):
         res["profile"] = {"step": a.profile_step, "shape": list(w["train"][a.profile_step]), "seconds": 0.02,
                           "gpu_self_ms": 12.5, "cpu_self_ms": 7.25, "top_gpu": [["gemm", 6.0, 4]],
                           "top_cpu": [["aten::mm", 2.0, 4]]}
+    if a.alloc_probe:
+        res["alloc_probe_ns"] = {str(n): 1000.0 + 10 * ALLOCATORS.index(a.allocator) for n in PROBE_SIZES}
+        res["alloc_probe_ns"]["churn"] = 1500.0
+        res["median_step_allocations"] = 1234
     if a.generate_passes > 1 and w["generate"]:
         res["generate_first_s"] = 0.02 * len(w["generate"])
         res["generate_passes_s"] = [res["generate_first_s"]] + [res["generate_s"]] * (a.generate_passes - 1)
@@ -1047,6 +1147,8 @@ def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
            "--generate-passes", str(a.generate_passes)]
     if a.profile_step is not None:
         cmd += ["--profile-step", str(a.profile_step)]
+    if a.alloc_probe:
+        cmd.append("--alloc-probe")
     if a.nondeterministic:
         cmd.append("--nondeterministic")
     t0 = time.perf_counter()
@@ -1289,6 +1391,9 @@ def parse(argv=None):
     p.add_argument("--profile-step", type=int, metavar="N", help="one more training step of shape N after the "
                    "timed ones, under torch.profiler: GPU kernel and CPU self times, and the top operations (its "
                    "optimizer step changes the weights generate() uses, in every run alike)")
+    p.add_argument("--alloc-probe", action="store_true", help="after generate(), time allocate + free pairs "
+                   "through torch.empty in each process (512 B, 64 KiB, 1 MiB, 16 MiB, and a churn of mixed "
+                   "sizes): the CPU cost of one allocation through PyTorch, wrapper included")
     p.add_argument("--rounds", type=int, default=1, help="run every model and allocator this many times, "
                    "round after round (even rounds in reverse allocator order); a table gives the medians and "
                    "each round's ratios to the first allocator")

@@ -199,6 +199,46 @@ class Pure(unittest.TestCase):
                                 "| aten::nonzero 2.5; aten::mm 0.9 |"])
         self.assertEqual(rm.profile_table([run_entry("moe", "vmmalloc", [1.0])]), [])
 
+    def test_alloc_probe_and_table(self):
+        made = []
+
+        class FakeTorch:  # torch.empty records the sizes asked for
+            uint8 = "u8"
+
+            class cuda:
+                synchronize = staticmethod(lambda: None)
+
+            @staticmethod
+            def empty(n, dtype=None, device=None):
+                made.append(n)
+                return object()
+        res = {"notes": []}
+        rm.alloc_probe(FakeTorch, res, "cuda:0", pairs=100, repeats=2)
+        self.assertEqual(res["notes"], [])
+        p = res["alloc_probe_ns"]
+        self.assertEqual(sorted(p), sorted([str(n) for n in rm.PROBE_SIZES] + ["churn"]))
+        self.assertTrue(all(v > 0 for v in p.values()), p)
+        for n in rm.PROBE_SIZES:  # warm-up + 2 timed rounds of each size
+            self.assertEqual(made.count(n), 10 + 2 * 100)
+        churn = [n for n in made if n not in rm.PROBE_SIZES]
+        self.assertTrue(churn and min(churn) >= 256 and max(churn) <= 32 << 20, (min(churn), max(churn)))
+
+        class Broken(FakeTorch):
+            @staticmethod
+            def empty(n, dtype=None, device=None):
+                raise RuntimeError("CUDA out of memory\nmore")
+        res = {"notes": []}
+        rm.alloc_probe(Broken, res, "cuda:0", pairs=10, repeats=1)
+        self.assertNotIn("alloc_probe_ns", res)
+        self.assertEqual(res["notes"], ["--alloc-probe: RuntimeError: CUDA out of memory"])
+
+        run = run_entry("moe", "vmmalloc", [1.0], round=2, median_step_allocations=20560,
+                        alloc_probe_ns={"512": 1500.4, "65536": 1510, "1048576": 1600, "16777216": 1700, "churn": 2100})
+        t = tables("\n".join(rm.probe_table([run, run_entry("moe", "caching", [1.0])])))
+        self.assertEqual(t[0][0][2:7], ["512 B", "64 KiB", "1 MiB", "16 MiB", "churn (mixed sizes)"])
+        self.assertEqual(t[0][1:], [["moe", "vmmalloc #2", "1500", "1510", "1600", "1700", "2100", "20,560"]])
+        self.assertEqual(rm.probe_table([run_entry("moe", "vmmalloc", [1.0])]), [])
+
     def test_workloads(self):
         for name, m in rm.MODELS.items():
             for mode in ("quick", "full"):
@@ -320,6 +360,14 @@ class Driver(unittest.TestCase):
         self.assertEqual([r["profile"]["step"] for r in res["runs"]], [0, 0])
         with open(os.path.join(out, "real_models.md")) as f:
             self.assertIn("under torch.profiler", f.read())
+
+    def test_alloc_probe_reaches_the_workers_and_the_report(self):
+        text, res, out = self.run_suite({}, "--models", "bert", "--allocators", "caching,vmmalloc",
+                                        "--alloc-probe", expect_rc=0)
+        self.assertEqual([r["alloc_probe_ns"]["churn"] for r in res["runs"]], [1500.0, 1500.0])
+        with open(os.path.join(out, "real_models.md")) as f:
+            rows = [r for t in tables(f.read()) for r in t if r[:2] == ["bert", "vmmalloc"] and len(r) == 8]
+        self.assertEqual(rows, [["bert", "vmmalloc", "1030", "1030", "1030", "1030", "1500", "1,234"]])
 
     def test_no_cuda_is_a_skip(self):
         text, res, _ = self.run_suite({"skip77": True}, expect_rc=77)

@@ -212,6 +212,21 @@ def parse_env(items):
     return out
 
 
+def parse_cpus(text):
+    """--cpus "0-3,8" -> [0, 1, 2, 3, 8]; ValueError naming the bad part."""
+    out = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise ValueError("--cpus %r: %r is not a CPU number or a range like 0-7" % (text, part)) from None
+        if first < 0 or last < first:
+            raise ValueError("--cpus %r: %r is not a CPU number or a range like 0-7" % (text, part))
+        out.update(range(first, last + 1))
+    return sorted(out)
+
+
 def pick(names, known, what):
     """A comma list checked against `known`, in the order given; ValueError on an unknown name."""
     got = [n.strip() for n in str(names).split(",") if n.strip()]
@@ -727,6 +742,9 @@ def worker(a):
         with open(a.result, "w") as f:
             json.dump(res, f)
 
+    if a.cpus:  # before torch starts its threads: they inherit the mask
+        os.sched_setaffinity(0, parse_cpus(a.cpus))
+        res["cpus"] = sorted(os.sched_getaffinity(0))
     if os.environ.get("REAL_MODELS_FAKE"):
         return fake_worker(a, res, save)
     try:
@@ -867,6 +885,7 @@ def run_workload(a, res, save, torch, transformers, t0):
         res["steps"], res["losses"] = steps, losses
         if a.profile_step is not None:
             profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev)
+            sample("train", "profiled step")  # a peak it reaches is its own, not generate()'s
         res["median_step_s"] = statistics.median(s["seconds"] for s in steps) if steps else None
         if steps and all("allocations" in s for s in steps):
             res["median_step_allocations"] = statistics.median(s["allocations"] for s in steps)
@@ -1149,6 +1168,8 @@ def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
         cmd += ["--profile-step", str(a.profile_step)]
     if a.alloc_probe:
         cmd.append("--alloc-probe")
+    if a.cpus:
+        cmd += ["--cpus", a.cpus]
     if a.nondeterministic:
         cmd.append("--nondeterministic")
     t0 = time.perf_counter()
@@ -1346,8 +1367,10 @@ def driver(a):
             "torch": first.get("torch", "?"), "transformers": first.get("transformers", "?"),
             "commit": commit_of(), "vmm_env": a.vmm_env, "budget_s": a.budget, "run_timeout_s": a.run_timeout,
             "loss_rtol": a.loss_rtol, "attn": a.attn, "moe_experts": a.moe_experts,
-            "settings": "%s attention, %s, bf16 autocast, AdamW" % (
-                a.attn, "nondeterministic" if a.nondeterministic else "deterministic algorithms"),
+            "settings": "%s attention, %s, bf16 autocast, AdamW%s" % (
+                a.attn, "nondeterministic" if a.nondeterministic else "deterministic algorithms",
+                ", processes pinned to CPUs %s" % a.cpus if a.cpus else ""),
+            "cpus": a.cpus,
             "workloads": {m: MODELS[m][a.mode] for m in a.models}}
     total = time.perf_counter() - T_START
     result = {"meta": meta, "runs": runs, "comparisons": comparisons, "failures": failures, "notes": notes,
@@ -1394,6 +1417,8 @@ def parse(argv=None):
     p.add_argument("--alloc-probe", action="store_true", help="after generate(), time allocate + free pairs "
                    "through torch.empty in each process (512 B, 64 KiB, 1 MiB, 16 MiB, and a churn of mixed "
                    "sizes): the CPU cost of one allocation through PyTorch, wrapper included")
+    p.add_argument("--cpus", metavar="LIST", help="pin every run's process to these CPUs (e.g. 0-7): one "
+                   "allocator's step times moved by up to 32 %% between processes, mostly on the CPU side")
     p.add_argument("--rounds", type=int, default=1, help="run every model and allocator this many times, "
                    "round after round (even rounds in reverse allocator order); a table gives the medians and "
                    "each round's ratios to the first allocator")
@@ -1431,6 +1456,14 @@ def parse(argv=None):
         p.error("--generate-passes must be at least 1")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    if a.cpus:
+        try:
+            cpus = parse_cpus(a.cpus)
+        except ValueError as e:
+            p.error(str(e))
+        have = os.sched_getaffinity(0)
+        if not set(cpus) <= have:
+            p.error("--cpus %s: this process may run on CPUs %s only" % (a.cpus, ",".join(map(str, sorted(have)))))
     return a
 
 

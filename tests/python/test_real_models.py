@@ -54,6 +54,14 @@ class Pure(unittest.TestCase):
                 rm.parse_env([bad])
             self.assertIn(repr(bad), str(e.exception))
 
+    def test_parse_cpus(self):
+        self.assertEqual(rm.parse_cpus("0-3,8"), [0, 1, 2, 3, 8])
+        self.assertEqual(rm.parse_cpus("2, 1,2"), [1, 2])
+        for bad in ("", "a", "3-1", "-1", "0-", "1,,2"):
+            with self.assertRaises(ValueError, msg=bad) as e:
+                rm.parse_cpus(bad)
+            self.assertIn("--cpus %r" % bad, str(e.exception))
+
     def test_pick(self):
         self.assertEqual(rm.pick("vmmalloc, caching,vmmalloc", rm.ALLOCATORS, "allocators"), ["vmmalloc", "caching"])
         with self.assertRaises(ValueError) as e:
@@ -368,6 +376,18 @@ class Driver(unittest.TestCase):
         with open(os.path.join(out, "real_models.md")) as f:
             rows = [r for t in tables(f.read()) for r in t if r[:2] == ["bert", "vmmalloc"] and len(r) == 8]
         self.assertEqual(rows, [["bert", "vmmalloc", "1030", "1030", "1030", "1030", "1500", "1,234"]])
+
+    def test_cpus_pin_every_worker(self):
+        cpu = min(os.sched_getaffinity(0))
+        text, res, out = self.run_suite({}, "--models", "bert", "--allocators", "caching,vmmalloc",
+                                        "--cpus", str(cpu), expect_rc=0)
+        self.assertEqual([r["cpus"] for r in res["runs"]], [[cpu], [cpu]])
+        self.assertIn("processes pinned to CPUs %d" % cpu, res["meta"]["settings"])
+        outside = max(os.sched_getaffinity(0)) + 1
+        p = subprocess.run([sys.executable, SCRIPT, "--quick", "--cpus", "0-%d" % outside],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("may run on CPUs", p.stderr)
 
     def test_no_cuda_is_a_skip(self):
         text, res, _ = self.run_suite({"skip77": True}, expect_rc=77)

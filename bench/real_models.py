@@ -457,7 +457,8 @@ def markdown(result):
                 e.get("chunks_retired", 0), busy, ms("median_step_driver_s"), ms("median_step_without_driver_s")))
     tr = result.get("trace")
     if tr:
-        lines += ["", "Trace of the llama run under vmmalloc: %s (%s)." % (tr.get("path", "-"), tr.get("status", ""))]
+        lines += ["", "Trace of the %s run under vmmalloc: %s (%s)." % (tr.get("model", "-"), tr.get("path", "-"),
+                                                                      tr.get("status", ""))]
         for row in tr.get("rows", []):
             lines.append("- %s" % row)
     lines += ["", "Whole run: %.0f s. %s" % (result.get("seconds", 0), "PASSED" if result.get("passed") else "FAILED")]
@@ -1341,11 +1342,12 @@ def driver(a):
                 shutil.copyfileobj(src, dst)
             os.remove(tpath)
             left = (a.budget - (time.perf_counter() - T_START)) if a.budget else 600
-            trace_section = {"run_status": r.get("status"), "size_bytes": os.path.getsize(gz)}
+            trace_section = {"model": model, "run_status": r.get("status"), "size_bytes": os.path.getsize(gz)}
             trace_section.update(replay_trace(a, r, gz, left, runs) if r.get("status") == "ok"
                                  else {"path": gz, "status": "recorded by a run that failed", "rows": []})
         elif tpath:
-            trace_section = {"path": tpath, "status": "no trace written (the run %s)" % r.get("status"), "rows": []}
+            trace_section = {"model": model, "path": tpath, "status": "no trace written (the run %s)" % r.get("status"),
+                             "rows": []}
     if skip77 and not any(r.get("status") == "ok" for r in runs):
         print("real_models: skipped: %s" % next((r.get("reason") for r in runs if r.get("exit77")), "no CUDA"))
         shutil.rmtree(logdir, ignore_errors=True)

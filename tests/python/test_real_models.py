@@ -402,15 +402,19 @@ class Driver(unittest.TestCase):
     def test_trace_is_recorded_compressed_and_reported(self):
         tdir = tempfile.mkdtemp(prefix="rm-trace-")
         self.addCleanup(shutil.rmtree, tdir, True)
-        text, res, _ = self.run_suite({}, "--models", "llama", "--allocators", "caching,vmmalloc", "--trace", tdir,
-                                      "--replay-bin", "/nonexistent/vmm-replay", expect_rc=0)
-        gz = os.path.join(tdir, "llama-vmmalloc.trace.gz")
+        text, res, out = self.run_suite({}, "--models", "llama,bert", "--allocators", "caching,vmmalloc", "--trace", tdir,
+                                        "--trace-model", "bert", "--replay-bin", "/nonexistent/vmm-replay", expect_rc=0)
+        gz = os.path.join(tdir, "bert-vmmalloc.trace.gz")
         with gzip.open(gz, "rt") as f:
             self.assertTrue(f.readline().startswith("# vmmalloc-trace v2"))
-        self.assertFalse(os.path.exists(os.path.join(tdir, "llama-vmmalloc.trace")))
+        self.assertFalse(os.path.exists(os.path.join(tdir, "bert-vmmalloc.trace")))
+        self.assertFalse(os.path.exists(os.path.join(tdir, "llama-vmmalloc.trace.gz")))
         self.assertEqual(res["trace"]["path"], gz)
+        self.assertEqual(res["trace"]["model"], "bert")
         self.assertIn("vmm-replay not found", res["trace"]["status"])
-        self.assertEqual(len(res["runs"]), 2)
+        self.assertEqual(len(res["runs"]), 4)
+        with open(os.path.join(out, "real_models.md")) as f:
+            self.assertIn("Trace of the bert run under vmmalloc: %s" % gz, f.read())
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def parse_cpus(text):
         try:
             first, last = int(lo), int(hi) if dash else int(lo)
         except ValueError:
-            raise ValueError("--cpus %r: %r is not a CPU number or a range like 0-7" % (text, part)) from None
+            first, last = -1, -1
         if first < 0 or last < first:
             raise ValueError("--cpus %r: %r is not a CPU number or a range like 0-7" % (text, part))
         out.update(range(first, last + 1))
@@ -1022,7 +1022,12 @@ def alloc_probe(torch, res, dev, pairs=20000, repeats=5):
         torch.cuda.synchronize()
         res["alloc_probe_ns"] = out
     except Exception as e:
-        res["notes"].append("--alloc-probe: %s: %s" % (type(e).__name__, str(e).splitlines()[0][:200] if str(e) else ""))
+        note_failure(res, "--alloc-probe", e)
+
+
+def note_failure(res, what, e):
+    """A measurement that failed leaves a note (its exception's first line) and the run goes on."""
+    res["notes"].append("%s: %s: %s" % (what, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else ""))
 
 
 def train_step(torch, model, opt, batch):
@@ -1059,7 +1064,7 @@ def profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev
         res["profile"] = dict(profile_summary(prof.key_averages()), step=a.profile_step, shape=list(shape),
                               seconds=secs)
     except Exception as e:
-        res["notes"].append("--profile-step: %s: %s" % (type(e).__name__, str(e).splitlines()[0][:200] if str(e) else ""))
+        note_failure(res, "--profile-step", e)
 
 
 def profile_summary(events, top=6):

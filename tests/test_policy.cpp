@@ -209,6 +209,30 @@ TEST_CASE("class_stats counts live slots per class, thread caches apart") {
   CHECK(live == 0);
 }
 
+TEST_CASE("span_free sees a freed block between live ones: its bytes, whole pages and size") {
+  options o = small_reservation();
+  o.thread_cache = false;  // a cached block would sit in the thread cache, not in the free lists
+  auto a = allocator::host(o);
+  const auto before = a.span_free();
+  void* p1 = a.allocate(3 * MiB);
+  void* p2 = a.allocate(9 * MiB);
+  void* p3 = a.allocate(3 * MiB);
+  const auto live = a.span_free();
+  a.deallocate(p2);
+  const auto s = a.span_free();
+  CHECK(s.bytes >= live.bytes + 9 * MiB);
+  CHECK(s.largest >= 9 * MiB);
+  CHECK(s.largest <= s.bytes);
+  CHECK(s.whole_pages >= 8 * MiB - 2 * 2 * MiB);  // 9 MiB at any 256-byte offset holds >= 3 pages of 2 MiB
+  CHECK(s.whole_pages <= s.bytes);
+  CHECK(s.blocks >= 1);
+  void* p4 = a.allocate(9 * MiB);  // takes the hole back: no new memory, the free bytes shrink
+  CHECK(a.span_free().bytes + 9 * MiB <= s.bytes);
+  for (void* p : {p1, p3, p4}) a.deallocate(p);
+  CHECK(a.span_free().bytes >= before.bytes);
+  CHECK(a.check() == "");
+}
+
 // ---- IPC export on the host backend (the transport and import are tested in tests/ipc) ----
 
 TEST_CASE("an ipc policy puts every allocation on chunks of its own; export hands out exactly those") {

@@ -71,4 +71,13 @@ struct class_occupancy {
   std::size_t live_bytes = 0;     // bytes requested by the live slots
 };
 
+// Free blocks inside mapped spans (the large path), for diagnostics: what a request larger than
+// `largest` cannot use without new memory, although `whole_pages` bytes of pages sit unused.
+struct span_free_stats {
+  std::size_t bytes = 0;        // free bytes in span blocks (any stream's)
+  std::size_t blocks = 0;       // free span blocks
+  std::size_t whole_pages = 0;  // bytes of granularity pages lying wholly inside a free block
+  std::size_t largest = 0;      // the largest free block
+};
+
 }  // namespace vmm

@@ -106,6 +106,12 @@ std::vector<class_occupancy> allocator::class_stats() const {
 }
 
 
+span_free_stats allocator::span_free() const {
+  std::lock_guard g(p_->mu);
+  return p_->hp->span_free();
+}
+
+
 std::string allocator::check() const {
   // Structure, slab states, allocated/live bytes and chunk accounting are all changed under mu
   // only, so they are checked exactly even while other threads run. Other threads' caches are

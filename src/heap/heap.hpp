@@ -80,6 +80,7 @@ class heap {
   std::size_t requested_size(std::uintptr_t p) const;
   // Per size class: slabs, slots, used slots, live bytes. Walks the page map (slow path).
   std::vector<class_occupancy> occupancy() const;
+  span_free_stats span_free() const;
 
   // A growth this heap's allocate() parked (arena::defer_growth), run and installed by the front
   // end outside its lock: its memory joins the heap free, for the request tried again.

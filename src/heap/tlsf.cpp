@@ -25,4 +25,21 @@ heap::impl::block* heap::impl::find_good_fit(std::size_t size, stream_t x) {
   return nullptr;
 }
 
+span_free_stats heap::span_free() const {
+  const auto& m = *p_;
+  span_free_stats r;
+  for (int fl = 0; fl < kFlCount; ++fl) {
+    if (!(m.fl_bitmap & (std::uint64_t{1} << fl))) continue;
+    for (int sl = 0; sl < kSlCount; ++sl)
+      for (const impl::block* b = m.lists[fl][sl]; b; b = b->next_free) {
+        r.bytes += b->size;
+        ++r.blocks;
+        r.largest = std::max(r.largest, b->size);
+        const std::uintptr_t lo = align_up(b->addr, m.G), hi = (b->addr + b->size) / m.G * m.G;
+        if (hi > lo) r.whole_pages += hi - lo;
+      }
+  }
+  return r;
+}
+
 }  // namespace vmm

@@ -105,6 +105,12 @@ class vmmalloc_peer final : public peer {
 #endif
   }
   std::string name() const override { return "vmmalloc"; }
+  // current()'s first sample at the highest physical bytes so far, and the spans then.
+  struct peak_state {
+    std::size_t physical = 0, allocated = 0, idle = 0, free_chunks = 0;
+    vmm::span_free_stats spans;
+  };
+  peak_state at_peak_;
   std::string detail() const override { return detail_; }
   void* allocate(std::size_t n, void* s) noexcept override {
     void* p = a_.try_allocate(n, 0, s);
@@ -131,6 +137,8 @@ class vmmalloc_peer final : public peer {
       m.mapped = s.physical;  // same measure as report()'s peak_physical
       m.reserved = s.reserved;
       m.requested = s.requested;
+      // Walks the free lists: only at a new high of physical bytes (a few hundred times a trace).
+      if (s.physical > at_peak_.physical) at_peak_ = {s.physical, s.allocated, s.idle, s.free_chunk_bytes, a_.span_free()};
     } catch (const std::exception& e) {
       set_error(e.what());
     }
@@ -175,6 +183,18 @@ class vmmalloc_peer final : public peer {
     if (device_ && dev_.valid) r.extra.push_back({"device_used_peak_sampled_bytes", double(dev_.peak)});
 #endif
     return r;
+  }
+  std::vector<std::pair<std::string, double>> at_peak_mapped() const override {
+    if (!at_peak_.physical) return {};
+    const auto& p = at_peak_;
+    return {{"physical_bytes", double(p.physical)},
+            {"allocated_bytes", double(p.allocated)},
+            {"idle_bytes", double(p.idle)},
+            {"free_chunk_bytes", double(p.free_chunks)},
+            {"span_free_bytes", double(p.spans.bytes)},
+            {"span_free_blocks", double(p.spans.blocks)},
+            {"span_free_whole_page_bytes", double(p.spans.whole_pages)},
+            {"span_largest_free_bytes", double(p.spans.largest)}};
   }
   std::string check() const override { return a_.check(); }
   bool has_check() const override { return true; }

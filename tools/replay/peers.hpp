@@ -65,6 +65,9 @@ class peer {
   virtual void reset_peaks() noexcept {}
   // Current memory, for per-event timelines. Untimed only: may cost microseconds (cudaMemGetInfo).
   virtual memory_now current() noexcept { return {}; }
+  // What the peer saw when current() first showed its highest mapped bytes (vmmalloc: its spans'
+  // free blocks then), as JSON keys; empty when it has nothing to say.
+  virtual std::vector<std::pair<std::string, double>> at_peak_mapped() const { return {}; }
   virtual memory_report report() = 0;
   // Invariant check, "" when fine (vmmalloc). Not thread-safe with concurrent allocations.
   virtual std::string check() const { return {}; }

@@ -21,7 +21,10 @@
 //  * --samples N: after the timed pass, a fresh instance of the allocator replays the trace again,
 //    untimed, reading its memory after every event (peer::current()); at most N samples of live,
 //    mapped and reserved bytes plus each peak go into the JSON ("timeline", see timeline.hpp) for
-//    vmm-plot. The timed numbers never include this pass.
+//    vmm-plot. The timed numbers never include this pass. vmmalloc also says what it held at its
+//    first sample of peak mapped bytes ("at_peak_mapped"): free span memory, how much of it lies
+//    in whole pages and the largest free block, i.e. what a request that set the peak could not
+//    use without new memory.
 //  * Threads (v2 traces): one replay thread per recorded thread, event i only after event i-1 has
 //    returned (replay_pass.hpp); --threads one replays on one thread. The hand-offs are harness
 //    cost: the null allocator pays them too, so "net of null" removes them.
@@ -187,6 +190,21 @@ pass_result sample_pass(peer& a, const trace& t, const std::vector<void*>& strea
   return r;
 }
 
+// What the peer held when its mapped bytes peaked (vmmalloc: free span memory a larger request
+// could not use as one block), one line on stderr.
+void print_at_peak(const std::string& name, const std::vector<std::pair<std::string, double>>& kv) {
+  auto get = [&](const char* key) {
+    for (auto& [k, v] : kv)
+      if (k == key) return v;
+    return -1.0;
+  };
+  if (get("span_free_bytes") < 0) return;
+  std::fprintf(stderr, "vmm-replay: %s: at the mapped peak the spans held %s free in %.0f blocks (%s in whole pages, "
+               "the largest block %s)\n", name.c_str(), vmm::replay::mib(get("span_free_bytes")).c_str(),
+               get("span_free_blocks"), vmm::replay::mib(get("span_free_whole_page_bytes")).c_str(),
+               vmm::replay::mib(get("span_largest_free_bytes")).c_str());
+}
+
 // Frees what the trace left live (untimed).
 bool free_remaining(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
                     std::string& why) {
@@ -211,6 +229,7 @@ struct row {
   std::uint64_t events = 0, checks = 0;
   memory_report mem;
   std::optional<timeline> tl;  // --samples
+  std::vector<std::pair<std::string, double>> at_peak;  // --samples: the peer at the mapped peak
   double sample_seconds = 0;
   std::size_t threads = 1;
   std::uint64_t handoffs = 0;
@@ -252,6 +271,9 @@ ojson timeline_json(const timeline& tl, const row& r, const cli& c) {
   o["live"] = arr(tl.live);
   o["mapped"] = arr(tl.mapped);
   o["reserved"] = arr(tl.reserved);
+  ojson ap = nullptr;
+  for (auto& [key, v] : r.at_peak) ap[key] = json_num(v);
+  o["at_peak_mapped"] = ap;
   return o;
 }
 
@@ -601,6 +623,8 @@ int main(int argc, char** argv) {
                                      std::to_string(tl.peak_mapped->event))
                                         .c_str()
                                   : "");
+      rows.back().at_peak = b->at_peak_mapped();
+      print_at_peak(name, rows.back().at_peak);
       rows.back().tl = std::move(tl);
       rows.back().sample_seconds = sr.seconds;
       blag.reset();

@@ -13,8 +13,6 @@
 //   admin (1)     trim(), grant()/revoke() of the simulated peer device 1
 //   diag (1)      stats(), class_stats(), check() while all of it runs
 //
-// A third case turns on options.borrow_free_pages: huge blocks partly on borrowed pages.
-//
 // Asserted: check() is clean while everything runs and after; peak_physical <= memory_limit on
 // both allocators; every allocation failure is errc::out_of_memory (any other failure is
 // collected with its message and fails the case); every block reads back what was written; and
@@ -100,12 +98,11 @@ std::size_t pick_size(std::mt19937_64& r) {
   return in(8 * MiB, 24 * MiB);
 }
 
-options stress_options(std::size_t limit, bool borrow) {
+options stress_options(std::size_t limit) {
   options o;
   o.reservation_size = 8 * GiB;
   o.huge_threshold = 8 * MiB;
   o.memory_limit = limit;
-  o.borrow_free_pages = borrow;
   return o;
 }
 
@@ -313,15 +310,15 @@ void diag(shared_state& s) {
   }
 }
 
-void run_stress(bool limited, bool borrow = false) {
+void run_stress(bool limited) {
   const std::size_t limit = limited ? 128 * MiB : std::numeric_limits<std::size_t>::max();
   const std::size_t ipc_limit = limited ? 24 * MiB : std::numeric_limits<std::size_t>::max();
   host_backend_options h;
   h.device_count = 2;  // the owner and one peer for grant/revoke
   auto b = make_backend<host_backend>(h);
   host_backend* hb = backend_cast<host_backend>(*b);
-  allocator a(std::move(b), stress_options(limit, borrow));
-  options io = stress_options(ipc_limit, false);
+  allocator a(std::move(b), stress_options(limit));
+  options io = stress_options(ipc_limit);
   io.ipc = ipc_kind::posix_fd;
   allocator ia = allocator::host(io);
 
@@ -391,8 +388,6 @@ void run_stress(bool limited, bool borrow = false) {
   ia.trim(0);
   CHECK(a.stats().physical == 0);
   CHECK(ia.stats().physical == 0);
-  if (borrow) CHECK(a.stats().borrows > 0);  // the case ran what it is for
-  CHECK(a.stats().borrowed == 0);
   CHECK(hb->live_handles() == 0);
   CHECK(hb->live_mappings() == 0);
 }
@@ -402,6 +397,3 @@ void run_stress(bool limited, bool borrow = false) {
 TEST_CASE("stress: every call at once from many threads, no memory limit") { run_stress(false); }
 
 TEST_CASE("stress: every call at once from many threads, under options.memory_limit") { run_stress(true); }
-
-// Huge requests map free pages of partly used chunks a second time (options.borrow_free_pages).
-TEST_CASE("stress: every call at once from many threads, huge blocks on borrowed pages") { run_stress(false, true); }

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Fault-injection sweep.
 //
-// Three scripted workloads (workload.hpp) are run once unarmed to count the backend calls of each
+// Two scripted workloads (workload.hpp) are run once unarmed to count the backend calls of each
 // operation kind (construction + workload + destruction). Then, for every operation kind and every
 // k from 1 to that count, a fresh allocator runs the workload with the k-th call of that kind
 // failing, and the runner asserts after every step:
@@ -45,9 +45,9 @@ std::array<bool, op_count> g_enabled = [] {
   return a;
 }();
 
-// The scripted workloads: "full" frees everything and trims (stats back to zero before
+// The two scripted workloads: "full" frees everything and trims (stats back to zero before
 // destruction); "teardown" destroys the allocator with live blocks, free chunks and idle handles,
-// so that destructor-phase calls are swept too; "borrow" maps borrowed free pages. "borrow" maps borrowed free pages (workload.hpp).
+// so that destructor-phase calls are swept too.
 struct workload {
   const char* name;
   std::vector<step> script;
@@ -58,7 +58,6 @@ const std::vector<workload>& workloads() {
   static const std::vector<workload> w = {
       {"full", sweep_script(), sweep_options(), true},
       {"teardown", teardown_script(), teardown_options(), false},
-      {"borrow", borrow_script(), borrow_options(), true},
   };
   return w;
 }

@@ -126,38 +126,6 @@ inline std::vector<step> teardown_script() {
   return s;  // destroyed with everything else live
 }
 
-// A third script for borrowed free pages (options.borrow_free_pages): 1 MiB blocks fill chunks of
-// up to 16 MiB, every eighth is kept, so huge requests map whole free pages of partly used chunks
-// a second time (map at an offset, set_access); frees, trims and a second borrow after the pages
-// came back. Ends empty.
-inline options borrow_options() {
-  options o = sweep_options();
-  o.max_growth = 16 * MiB;
-  o.release_threshold = std::numeric_limits<std::size_t>::max();
-  o.borrow_free_pages = true;
-  return o;
-}
-inline std::vector<step> borrow_script() {
-  std::vector<step> s;
-  auto A = [&](int id, std::size_t n, std::size_t align = 0, int stream = 0) {
-    s.push_back({step::alloc, id, n, align, stream});
-  };
-  auto F = [&](int id, int stream = 0) { s.push_back({step::dealloc, id, 0, 0, stream}); };
-  auto T = [&](std::size_t keep) { s.push_back({step::trim, -1, keep, 0, 0}); };
-  for (int i = 0; i < 30; ++i) A(i, MiB);
-  for (int i = 0; i < 30; ++i)
-    if (i % 8) F(i);
-  A(40, 20 * MiB);  // huge: borrows whole free pages of the partly used chunks
-  A(41, 2 * MiB);   // large while they are lent
-  F(40);            // cached, its borrowed chunks still mapped
-  A(42, 18 * MiB, 0, 1);  // another stream
-  T(0);             // the borrowed chunks are unmapped, their pages come back
-  A(43, 20 * MiB);  // borrows again
-  for (int id : {41, 42, 43, 0, 8, 16, 24}) F(id, id == 42 ? 1 : 0);
-  T(0);
-  return s;
-}
-
 struct run_config {
   bool armed = false;
   op which = op::create;

@@ -2,8 +2,7 @@
 // GPU-only tests: what the host backend cannot show. main() is gpu_main.cpp: without a device
 // this program exits 77.
 //
-//   access   kernels and cudaMemcpy reach every byte of allocations that span several chunks, and
-//            of a huge block on borrowed pages (a second mapping at an offset into a handle)
+//   access   kernels and cudaMemcpy reach every byte of allocations that span several chunks
 //   meminfo  trim(0) and destruction give device memory back, as cudaMemGetInfo sees it
 //   streams  a block freed on a busy stream is not handed to another stream until that stream's
 //            work is done (content check + direct overlap check); the same stream reuses it at once;
@@ -173,43 +172,6 @@ TEST_CASE("gpu access: a stitched allocation (several physical chunks in one blo
   round_trip(q, 400 * MiB, 7);
   a.deallocate(q);
   CHECK(a.check() == "");
-}
-
-TEST_CASE("gpu access: a huge block on borrowed pages (mapped at an offset into live chunks' handles)") {
-  vmm::options o = test_options();
-  o.borrow_free_pages = true;
-  o.max_growth = 32 * MiB;  // chunks of 2 .. 32 MiB: room for holes of whole pages beside live blocks
-  o.thread_cache = false;
-  vmm::allocator a(o);
-  // 1 MiB blocks over chunks of 2, 4, 8, 16 and 32 MiB; every twelfth and the last stay live.
-  std::vector<void*> keep, gone;
-  for (int i = 0; i < 62; ++i) (i % 12 == 0 || i == 61 ? keep : gone).push_back(a.allocate(1 * MiB));
-  for (void* p : gone) a.deallocate(p);
-  std::uint64_t seed = 500;
-  for (void* p : keep) gpu::fill(p, MiB, ++seed, nullptr);
-  const auto before = a.stats();
-  void* big = a.allocate(300 * MiB);  // huge: whole free pages of the holes first, the rest created
-  const auto s = a.stats();
-  MESSAGE("borrowed " << (s.borrowed >> 20) << " MiB in " << s.borrows << " runs; physical +"
-                      << ((s.physical - before.physical) >> 20) << " MiB for 300 MiB");
-  CHECK(s.borrowed >= 4 * MiB);
-  CHECK(s.physical - before.physical <= 300 * MiB - s.borrowed);
-  round_trip(big, 300 * MiB, 900);  // kernels write and read every byte, borrowed pages included
-  gpu::fill(big, 300 * MiB, 901, nullptr);
-  seed = 500;
-  for (void* p : keep) CHECK(gpu::verify(p, MiB, ++seed, nullptr) == 0);  // the live blocks are untouched
-  seed = 700;
-  for (void* p : keep) gpu::fill(p, MiB, ++seed, nullptr);
-  CHECK(gpu::verify(big, 300 * MiB, 901, nullptr) == 0);  // and the huge block by them
-  CHECK(a.check() == "");
-  a.deallocate(big);
-  GPU_CHECK(cudaDeviceSynchronize());
-  a.trim();
-  CHECK(a.stats().borrowed == 0);
-  for (void* p : keep) a.deallocate(p);
-  a.trim();
-  CHECK(a.check() == "");
-  CHECK(a.stats().physical == 0);
 }
 
 TEST_CASE("gpu access: one 1 GiB allocation and odd sizes round-trip; the runtime sees device memory") {

@@ -46,10 +46,6 @@ struct allocator_stats {
   // work was still running (the GPU behind the CPU); their old VA stays mapped until it is done.
   std::uint64_t chunks_retired = 0;
   std::size_t retiring = 0;             // bytes of VA of such chunks not yet unmapped
-  // options.borrow_free_pages: bytes of free span pages mapped a second time for huge blocks
-  // (inside `mapped`, not `physical`), and the runs of pages mapped so, in total.
-  std::size_t borrowed = 0;
-  std::uint64_t borrows = 0;
   std::uint64_t pools = 0;              // graph pools alive (begun, or released with live blocks)
   std::size_t pool_allocated = 0;       // bytes of live blocks in graph pools (inside `allocated`)
   std::size_t pool_held = 0;            // mapped bytes owned by graph pools (inside `mapped`)

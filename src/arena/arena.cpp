@@ -55,7 +55,7 @@ arena::~arena() {
   for (auto& c : chunks_) {
     if (!c.size) continue;
     (void)vm::driver::twice([&] { return drv_.unmap(c.va, c.size); });
-    if (!c.borrowed_from) (void)vm::driver::twice([&] { return drv_.release(c.handle); });  // else its owner's
+    (void)vm::driver::twice([&] { return drv_.release(c.handle); });
   }
   (void)poll_retiring(true);
   for (const auto& r : retiring_) (void)vm::driver::twice([&] { return drv_.unmap(r.va, r.size); });
@@ -82,7 +82,7 @@ bool arena::note_release_of_aliased(mem_handle h, std::size_t size) {
   const std::uint64_t id = ++release_ids_;
   bool any = false;
   for (auto& r : retiring_)
-    if (r.h == h && !r.released && !r.doomed && !r.borrowed_from) {
+    if (r.h == h && !r.released && !r.doomed) {
       r.released = id;  // the memory stays until its last retired range is unmapped: still counted
       any = true;
     }
@@ -168,33 +168,21 @@ void arena::give_hole(std::uintptr_t va, std::size_t size) {
 
 bool arena::aliased(mem_handle h, bool fenced_only) const {
   for (const auto& r : retiring_)
-    if (r.h == h && !r.released && !r.doomed && !r.borrowed_from && (r.fence || !fenced_only)) return true;
+    if (r.h == h && !r.released && !r.doomed && (r.fence || !fenced_only)) return true;
   return false;
 }
 
 result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
-                                        std::size_t* mapped, std::uint16_t heap, const std::vector<borrow>* borrows) {
-  // Borrowed pieces not mapped by this call go back to the heap (their placeholders are freed).
-  auto drop_borrows = [&] {
-    if (borrows)
-      for (const auto& b : *borrows) returned_borrows_.push_back({b.src, b.size});
-  };
-  if (size == 0 || size % gran_) {
-    drop_borrows();
-    return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
-  }
+                                        std::size_t* mapped, std::uint16_t heap) {
+  if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
   assert(!pending_);  // a deferred growth is taken before the next mapping
   (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
   const bool defer = deferring();
   // Retired ranges whose stream caught up (and chunks evicted for this growth) give their VA back
   // first, as holes the growth may take. Deferred, that is a round of its own: a growth with
   // only unmaps runs outside the lock, then the request is tried again.
-  if (!defer) {
-    (void)poll_retiring(false);
-  } else if (park_unmaps()) {
-    drop_borrows();
-    return {0, {errc::other, 0, "unmaps deferred to run outside the lock", "map"}};
-  }
+  if (!defer) (void)poll_retiring(false);
+  else if (park_unmaps()) return {0, {errc::other, 0, "unmaps deferred to run outside the lock", "map"}};
   auto hole_for = [&](std::size_t n) -> std::uintptr_t {
     if (at) return hole_at(at, n) ? at : 0;
     for (auto& [hs, hn] : holes_)
@@ -202,7 +190,6 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     return 0;
   };
   if (!hole_for(size)) {
-    drop_borrows();
     return {0, at ? fail(errc::out_of_memory, "map", "no hole at the requested address")
                   : fail(errc::out_of_memory, "cuMemAddressReserve", "reservation exhausted")};
   }
@@ -216,18 +203,11 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   std::size_t releasing = 0;
   auto give_back = [&] {
     for (const auto& p : pieces)
-      if (p.h && !p.borrowed_from) idle_put(p.h, p.size);  // the handle to create has none yet
-    drop_borrows();
+      if (p.h) idle_put(p.h, p.size);  // the handle to create has none yet
     for (const auto& l : releases) idle_put(l.h, l.size);  // not released after all: idle again
     releasing_bytes_ -= releasing;
   };
   std::size_t total = 0;
-  if (borrows)  // first, at the start of the range: no physical memory, nothing against the limit
-    for (const auto& b : *borrows) {
-      pieces.push_back({b.size, b.h, false, false, b.offset, b.src});
-      total += b.size;
-    }
-  assert(total <= size);
   while (total < size) {
     const std::size_t want = size - total;
     auto it = idle_.upper_bound(want);  // first idle handle larger than want
@@ -280,7 +260,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   inflight_.emplace(va, total);
   inflight_bytes_ += total;
   for (const auto& p : pieces)
-    if (!p.created && !p.borrowed_from) inflight_lent_ += p.size;
+    if (!p.created) inflight_lent_ += p.size;
   growth g;
   g.va = va;
   g.size = total;
@@ -308,14 +288,11 @@ void arena::install(std::uintptr_t va, const std::vector<growth::piece>& pieces,
   for (const auto& p : pieces) {
     auto id = new_chunk_slot();
     chunks_[id] = chunk{va + off, p.size, p.h, 0, no_chunk, no_chunk, owner, heap, p.marked};
-    chunks_[id].borrowed_from = p.borrowed_from;
-    chunks_[id].offset = p.offset;
-    if (p.borrowed_from) borrowed_bytes_ += p.size, ++borrows_;
     for (std::size_t pg = page_of(va + off), e = pg + p.size / gran_; pg < e; ++pg) page_map_[pg] = id;
     mapped_ += p.size;
     count_mapped(chunks_[id], true);
     if (p.marked) compressed_bytes_ += p.size;
-    if (!p.created && !p.borrowed_from) ++stitched_;
+    if (!p.created) ++stitched_;
     ++chunk_count_;
     lru_push(id);  // a new chunk holds no block yet; the heap's add_used takes it off the list
     off += p.size;
@@ -396,8 +373,8 @@ void arena::run_growth(growth& g) {
   if (!g.st.ok()) {  // nothing mapped yet: created handles go, idle ones go back to the cache
     for (auto& p : g.pieces) {
       if (p.created && p.h) release(p);
-      else if (!p.created && !p.borrowed_from) g.returned.push_back({p.h, p.size});
-      if (!p.borrowed_from) p.h = 0;
+      else if (!p.created) g.returned.push_back({p.h, p.size});
+      p.h = 0;
     }
     return;
   }
@@ -405,8 +382,7 @@ void arena::run_growth(growth& g) {
   std::size_t off = 0, i = 0;
   status st{};
   for (; i < g.pieces.size(); ++i) {
-    const auto& p = g.pieces[i];
-    st = p.borrowed_from ? txn.map_borrowed(g.va + off, p.size, p.h, p.offset) : txn.map(g.va + off, p.size, p.h, p.created);
+    st = txn.map(g.va + off, g.pieces[i].size, g.pieces[i].h, g.pieces[i].created);
     if (!st.ok()) break;
     off += g.pieces[i].size;
   }
@@ -415,12 +391,11 @@ void arena::run_growth(growth& g) {
     txn.commit();
     // The policy state read here (the props) is fixed once the arena is open.
     for (auto& p : g.pieces)
-      if (!p.borrowed_from)
-        for (auto& pol : policies_) p.marked = pol->mapped(drv_, pol_, p.h) || p.marked;
+      for (auto& pol : policies_) p.marked = pol->mapped(drv_, pol_, p.h) || p.marked;
   } else {
     for (std::size_t k = i + 1; k < g.pieces.size(); ++k) {  // never mapped
       if (g.pieces[k].created) release(g.pieces[k]);
-      else if (!g.pieces[k].borrowed_from) g.returned.push_back({g.pieces[k].h, g.pieces[k].size});
+      else g.returned.push_back({g.pieces[k].h, g.pieces[k].size});
     }
     txn.rollback();
     for (auto& l : txn.returned()) g.returned.push_back(l);
@@ -457,7 +432,7 @@ status arena::finish_growth(growth& g) {
   inflight_.erase(g.va);
   inflight_bytes_ -= g.size;
   for (const auto& p : g.pieces)
-    if (!p.created && !p.borrowed_from) inflight_lent_ -= p.size;
+    if (!p.created) inflight_lent_ -= p.size;
   status st = g.st;
   if (st.ok() && pol_.access_changes != g.access_gen) {
     // A peer was granted or revoked while the driver calls ran: the new range gets the table of
@@ -481,10 +456,9 @@ status arena::finish_growth(growth& g) {
       for (auto it = g.pieces.rbegin(); it != g.pieces.rend(); ++it) {
         off -= it->size;
         if (!vm::driver::twice([&] { return drv_.unmap(g.va + off, it->size); }).ok()) {
-          g.strays.add_mapping(g.va + off, it->size, it->h, it->borrowed_from != 0);
+          g.strays.add_mapping(g.va + off, it->size, it->h);
           continue;
         }
-        if (it->borrowed_from) continue;
         if (it->created) {
           if (!vm::driver::twice([&] { return drv_.release(it->h); }).ok()) g.strays.add_handle(it->h, it->size);
         } else {
@@ -500,8 +474,6 @@ status arena::finish_growth(growth& g) {
     strays_.take(g.strays);
     for (auto& l : g.returned) idle_put(l.h, l.size);
     g.returned.clear();
-    for (const auto& p : g.pieces)  // unmapped, never mapped, or a stray that holds no page
-      if (p.borrowed_from) returned_borrows_.push_back({p.borrowed_from, p.size});
     note_peaks();
     return st;
   }
@@ -549,17 +521,10 @@ status arena::unmap_chunk(std::uint32_t id, bool keep_handle) {
   // The unmap happened: from here on the chunk is gone whatever release() says.
   mem_handle h = c.handle;
   std::size_t size = c.size;
-  const std::uintptr_t from = c.borrowed_from;
   c = chunk{};
   free_slots_.push_back(id);
-  if (from) {  // borrowed pages: the handle is their owner's; the placeholder goes back to the heap
-    borrowed_bytes_ -= size;
-    returned_borrows_.push_back({from, size});
-  } else if (keep_handle) {
-    idle_put(h, size);
-  } else {
-    release_or_park(h, size);
-  }
+  if (keep_handle) idle_put(h, size);
+  else release_or_park(h, size);
   return {};
 }
 
@@ -606,8 +571,6 @@ bool arena::take_back(mem_handle h, std::size_t size) {
 }
 
 status arena::evict_chunk(std::uint32_t id, bool keep_handle) {
-  // Borrowed pages hold no handle to keep or release: one unmap, under the lock.
-  if (chunks_[id].borrowed_from) return unmap_chunk(id, false);
   if (!keep_handle && defer_rel_) {  // given back by a free: unmapped and released after its lock
     retire_chunk(id, 0, nullptr, false, true);
     return {};
@@ -626,14 +589,6 @@ void arena::retire_chunk(std::uint32_t id, fence_t fence, stream_t stream, bool 
   count_mapped(c, false);
   if (c.compressed) compressed_bytes_ -= c.size;
   --chunk_count_;
-  if (c.borrowed_from) {  // its stream may still use it: unmapped after the fence
-    retiring_.push_back({c.va, c.size, c.handle, fence, 0, stream, false, false, c.borrowed_from});
-    borrowed_bytes_ -= c.size;
-    if (count) ++retired_count_;
-    c = chunk{};
-    free_slots_.push_back(id);
-    return;
-  }
   // A handle another retired range still maps (stitched from it) is not released with this range:
   // it goes idle, and a release under the lock marks its ranges held (note_release_of_aliased).
   if (doom && aliased(c.handle)) doom = false;
@@ -759,8 +714,6 @@ arena_stats arena::stats() const {
   s.ipc_fallbacks = pol_.ipc_fallbacks;
   s.compressed = compressed_bytes_;
   s.access_changes = pol_.access_changes;
-  s.borrowed = borrowed_bytes_;
-  s.borrows = borrows_;
   s.calls = drv_.counts();
   return s;
 }
@@ -784,13 +737,12 @@ std::string arena::check() const {
     inflight += n;
   }
   if (inflight != inflight_bytes_) return "bytes of growths in flight are off";
-  std::size_t mapped = 0, freeb = 0, n = 0, borrowed = 0;
+  std::size_t mapped = 0, freeb = 0, n = 0;
   for (std::uint32_t id = 0; id < chunks_.size(); ++id) {
     const chunk& c = chunks_[id];
     if (!c.size) continue;
     ++n;
     mapped += c.size;
-    if (c.borrowed_from) borrowed += c.size;
     if (c.used == 0) freeb += c.size;
     if (c.used > c.size) return "chunk used bytes exceed its size";
     if (!ranges.emplace(c.va, c.size).second) return "chunk overlaps a hole or chunk";
@@ -807,7 +759,6 @@ std::string arena::check() const {
   for (auto p : page_map_) mapped_pages += p != no_chunk;
   if (mapped_pages * gran_ != mapped) return "page map marks pages outside chunks";
   if (mapped != mapped_ || n != chunk_count_) return "mapped byte count is off";
-  if (borrowed != borrowed_bytes_) return "borrowed byte count is off";
   if (freeb != free_chunk_bytes_) return "free chunk byte count is off";
   std::size_t idle = 0;
   for (auto& [sz, h] : idle_) idle += sz;

@@ -62,8 +62,6 @@ struct arena_stats {
   std::size_t compressed = 0;          // mapped bytes that the driver made compressible
   std::uint64_t ipc_fallbacks = 0;     // fabric asked, POSIX fd used (not supported / not permitted)
   std::uint64_t access_changes = 0;    // grant/revoke calls that changed the access table
-  std::size_t borrowed = 0;            // bytes of VA mapping borrowed pages (in `mapped`, not `physical`)
-  std::uint64_t borrows = 0;           // borrowed pieces mapped
   driver_counts calls;
 };
 
@@ -81,19 +79,6 @@ class arena {
     std::uint16_t heap = 0;     // which heap owns it (0: the allocator's; others: graph pools)
     bool compressed = false;    // what the driver granted (compression policy)
     std::int64_t free_since = 0;  // steady-clock ns when it joined the free list (idle_decay_ms only)
-    // A borrowed chunk maps pages of another chunk a second time (options.borrow_free_pages):
-    // bytes [offset, offset + size) of that chunk's handle, whose own VA starts at borrowed_from.
-    // The heap holds that VA with a placeholder block until this mapping is gone; the handle is
-    // never idled or released through this chunk, and its bytes are not physical memory again.
-    std::uintptr_t borrowed_from = 0;
-    std::size_t offset = 0;
-  };
-  // Pages a huge request borrows (see chunk::borrowed_from): src is their VA in their own chunk.
-  struct borrow {
-    std::uintptr_t src = 0;
-    std::size_t size = 0;
-    mem_handle h = 0;
-    std::size_t offset = 0;
   };
 
   arena(std::unique_ptr<backend_iface> b, const options& o);
@@ -125,20 +110,8 @@ class arena {
   // With `mapped` given the range may come out larger: a retired handle (its memory held until its
   // old range is unmapped anyway) bigger than what is left to map is mapped whole rather than
   // released while a new one is created; *mapped says how much was mapped.
-  // borrows: pieces to map first, at the start of the range (their placeholders are the heap's);
-  // whatever happens to the range, each comes back through take_returned_borrows() once its
-  // mapping is gone (or was never made).
   result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
-                                   std::size_t* mapped = nullptr, std::uint16_t heap = 0,
-                                   const std::vector<borrow>* borrows = nullptr);
-  // Borrowed pieces whose mapping is gone: (src, size) of each, for the heap to free its
-  // placeholder. Appends to out and empties the list; false when there was none.
-  bool take_returned_borrows(std::vector<std::pair<std::uintptr_t, std::size_t>>& out) {
-    if (returned_borrows_.empty()) return false;
-    out.insert(out.end(), returned_borrows_.begin(), returned_borrows_.end());
-    returned_borrows_.clear();
-    return true;
-  }
+                                   std::size_t* mapped = nullptr, std::uint16_t heap = 0);
   // ---- growth outside the front end's lock ----
   // With defer_growth(true), a map_range that needs driver calls does only the bookkeeping: it
   // takes the hole and the idle handles it will map, counts what it will create against the
@@ -154,8 +127,6 @@ class arena {
       mem_handle h = 0;     // 0 until run_growth creates it
       bool created = false;  // created for this growth (else an idle handle)
       bool marked = false;   // the compression policy's word on the mapped handle
-      std::size_t offset = 0;            // borrowed: into h
-      std::uintptr_t borrowed_from = 0;  // != 0: borrowed pages (chunk::borrowed_from)
     };
     std::uintptr_t va = 0;
     std::size_t size = 0;
@@ -228,8 +199,6 @@ class arena {
   // work first); its VA stays mapped, out of the holes, until `fence` (recorded on that stream,
   // owned by the arena now) completes. No driver call but the fence; the unmap comes later.
   // doom: its handle is released once its range is unmapped (defer_releases), not kept idle.
-  // A borrowed chunk's placeholder is the caller's to free at once (stream-ordered, as the handle
-  // of any other chunk is reused at once): it does not come back through take_returned_borrows.
   void retire_chunk(std::uint32_t id, fence_t fence, stream_t stream = nullptr, bool count = true,
                     bool doom = false);
   // A free chunk whose handle a growth is about to map elsewhere (stitching): unmap_chunk, or,
@@ -318,7 +287,7 @@ class arena {
                                                              std::vector<growth::release>& to);
   void note_peaks();
   std::size_t physical_now() const {
-    return mapped_ - borrowed_bytes_ + idle_bytes_ + strays_.bytes() + retired_held_ + inflight_lent_ + releasing_bytes_;
+    return mapped_ + idle_bytes_ + strays_.bytes() + retired_held_ + inflight_lent_ + releasing_bytes_;
   }
   // What memory_limit is checked against: everything held plus what growths in flight will create.
   std::size_t held_for_limit() const { return physical_now() + (inflight_bytes_ - inflight_lent_); }
@@ -362,7 +331,6 @@ class arena {
     // holds it, and once released outside the lock its value may come back from a create before
     // the range leaves retiring_, so it must not match that new handle (aliased, note_release).
     bool doomed = false;
-    std::uintptr_t borrowed_from = 0;  // a borrowed chunk's range (its placeholder freed at retirement)
   };
   std::vector<retired> retiring_;
   std::size_t retired_held_ = 0;  // bytes of released handles still mapped by retired ranges
@@ -394,9 +362,6 @@ class arena {
   std::size_t mapped_ = 0, idle_bytes_ = 0, free_chunk_bytes_ = 0, chunk_count_ = 0;
   std::size_t peak_mapped_ = 0, peak_physical_ = 0;
   std::uint64_t stitched_ = 0, retired_count_ = 0;
-  std::size_t borrowed_bytes_ = 0;  // bytes of borrowed chunks (in mapped_, not physical)
-  std::uint64_t borrows_ = 0;
-  std::vector<std::pair<std::uintptr_t, std::size_t>> returned_borrows_;  // see take_returned_borrows
   status parked_error_;
 };
 

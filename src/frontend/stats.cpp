@@ -83,8 +83,6 @@ allocator_stats allocator::stats() const {
   s.pool_held = pool_held;
   s.chunks_retired = h.chunks_retired;
   s.retiring = a.retiring_bytes;
-  s.borrowed = a.borrowed;
-  s.borrows = a.borrows;
   s.stitched = a.stitched;
   s.compression_fallbacks = a.compression_fallbacks;
   s.ipc_fallbacks = a.ipc_fallbacks;

@@ -54,7 +54,7 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
           if (m.a.chunk_at(x) == arena::no_chunk) return "free block over unmapped memory";
       } else {
         if (!add_used(b->addr, b->size)) return "live block over unmapped memory";
-        if (!(b->flags & (impl::f_slab | impl::f_borrowed))) {  // slabs count per slot; placeholders hold no request
+        if (!(b->flags & impl::f_slab)) {
           bool deferred = false;
           for (auto& d : m.deferred_frees) deferred |= d.p == b->addr;
           if (!deferred) {

@@ -99,7 +99,7 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
     return {};
   }
   impl::block* b = m.block_at(p);
-  if (!b || (b->flags & (impl::f_slab | impl::f_sentinel | impl::f_borrowed)))
+  if (!b || (b->flags & (impl::f_slab | impl::f_sentinel)))
     return fail(errc::invalid_pointer,
                 m.block_containing(p) ? "interior pointer or double free (no allocation starts here)"
                                       : "pointer not allocated");
@@ -147,7 +147,7 @@ std::size_t heap::usable_size(std::uintptr_t p) const {
     return sl->slot;
   }
   impl::block* b = m.block_at(p);
-  if (!b || (b->flags & (impl::f_free | impl::f_slab | impl::f_sentinel | impl::f_borrowed))) return 0;
+  if (!b || (b->flags & (impl::f_free | impl::f_slab | impl::f_sentinel))) return 0;
   if ((b->tword.load(std::memory_order_acquire) & 0xff) >= 2) return 0;  // freed into a thread cache
   for (auto& d : m.deferred_frees)
     if (d.p == p) return 0;
@@ -210,7 +210,6 @@ status heap::trim(std::size_t keep) {
   (void)m.a.take_parked_error();
   const status retried = m.a.retry_strays();  // a refusal stays parked (retried again later)
   m.destroy_empty_slabs();  // first: they pin chunks that are otherwise free
-  m.drain_borrows();        // so do placeholders of borrowed pages whose mapping is gone
   // Retired ranges: their streams' work first, then the VA back.
   status r = m.a.poll_retiring(true, m.defer_waits ? &m.waits : nullptr);
   const std::uint16_t h = m.hid;
@@ -223,7 +222,6 @@ status heap::trim(std::size_t keep) {
     if (id == arena::no_chunk) break;
     bool busy = false;  // only while waits are deferred: a chunk a stream still uses is skipped
     r = m.release_chunk(id, false, true, busy);
-    m.drain_borrows();  // a huge block's borrowed pages may leave their own chunks wholly free
     id = busy ? m.a.get(id).lru_next : m.a.oldest_free_chunk(h);
   }
   // A release refused during this call is reported by this call only (its handle stays parked and

@@ -37,9 +37,7 @@ inline status fail(errc k, const char* name) { return {k, 0, name, "heap"}; }
 struct heap::impl {
   static constexpr int kFlCount = heap_detail::kFlCount, kSlCount = heap_detail::kSlCount;
 
-  // f_borrowed: a placeholder holding span pages a huge block maps a second time (borrow_pages).
-  enum : std::uint8_t { f_free = 1, f_sentinel = 2, f_slab = 4, f_huge = 8, f_tagged = 16, f_exported = 32,
-                        f_borrowed = 64 };
+  enum : std::uint8_t { f_free = 1, f_sentinel = 2, f_slab = 4, f_huge = 8, f_tagged = 16, f_exported = 32 };
 
   // One cache line each (104 bytes -> 128): threads holding neighbouring blocks in their large
   // caches write req and tword without the lock, and must not share a line. 24 bytes a block.
@@ -244,7 +242,6 @@ struct heap::impl {
   result<block*> allocate_large(std::size_t n, std::size_t align, stream_t x, bool may_grow = true);
 
   void free_large(block* b, stream_t s);
-  void coalesce_insert(block* b);  // merges a free block with compatible neighbours, lists it
 
   // Adds mapped [va, va+size) to the spans: extends the span ending at va, or starts a new one.
   // freed_seq != 0: the range is memory freed on x at that sequence (tagged, not fresh).
@@ -275,16 +272,6 @@ struct heap::impl {
   status release_huge(block* b, bool keep_handle, const stream_t* retire_for = nullptr);
   void uncache_huge(block* b);
   void huge_to_spans(block* b, stream_t x);  // a free huge block's memory becomes span memory
-  // Borrowed pages (options.borrow_free_pages): up to `want` bytes of whole pages lying in free
-  // span blocks that x may use, largest runs first, each cut at chunk edges and held by a
-  // placeholder block from here until the arena returns it (drain_borrows).
-  std::vector<arena::borrow> borrow_pages(std::size_t want, stream_t x);
-  // Frees the placeholders of borrowed pages whose second mapping is gone (main heap only).
-  void drain_borrows();
-  // Frees one placeholder: untagged, or as freed on *s at sequence at_seq, when the pages' second
-  // mapping is retired and may still be in use on s until its fence (reused there at once).
-  void free_placeholder(std::uintptr_t va, std::size_t n, const stream_t* s = nullptr, std::uint64_t at_seq = 0);
-  std::vector<std::pair<std::uintptr_t, std::size_t>> drained;  // drain_borrows' scratch
 
   // ---- huge path ----
   // align <= G: chunks of its own are G-aligned; a span block is aligned as asked.

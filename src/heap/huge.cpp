@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Huge blocks: a dedicated chunk per allocation (sizes from options.huge_threshold, and every
-// allocation of an exportable policy), cached on free for a same-size request. With
-// options.borrow_free_pages, whole free pages of partly used span chunks back part of a new one.
+// allocation of an exportable policy), cached on free for a same-size request.
 #include "heap/heap_impl.hpp"
 
 namespace vmm {
@@ -21,9 +20,7 @@ status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* reti
     if (retire_for) {
       auto f = a.drv().record_fence(*retire_for);  // one per chunk (each retired range owns its fence); the caller checked the stream does not capture
       if (!f.ok()) return f.st;
-      const std::uintptr_t from = a.get(id).borrowed_from;
       a.retire_chunk(id, f.value, *retire_for);
-      if (from) free_placeholder(from, cs, retire_for, seq);  // reusable on that stream at once, as a handle is
       ++st.chunks_retired;
     } else if (status u = a.evict_chunk(id, keep_handle); !u.ok()) {
       return u;
@@ -63,81 +60,9 @@ void heap::impl::uncache_huge(block* b) {
     }
 }
 
-std::vector<arena::borrow> heap::impl::borrow_pages(std::size_t want, stream_t x) {
-  struct run {
-    std::uintptr_t va;
-    std::size_t size;
-  };
-  std::vector<run> runs;
-  for (int fl = 0; fl < kFlCount; ++fl) {
-    if (!(fl_bitmap & (std::uint64_t{1} << fl))) continue;
-    for (int sl = 0; sl < kSlCount; ++sl)
-      for (block* b = lists[fl][sl]; b; b = b->next_free) {
-        if (!usable(b, x)) continue;
-        std::uintptr_t lo = align_up(b->addr, G);
-        const std::uintptr_t hi = (b->addr + b->size) / G * G;
-        // One run per chunk (a mapping covers one handle), of two pages at least: single pages
-        // cost a map each for 2 MiB (host replays of the four traces: the same memory, a tenth
-        // fewer driver calls on Llama's).
-        while (lo < hi) {
-          const auto& ch = a.get(a.chunk_at(lo));
-          const std::uintptr_t end = std::min<std::uintptr_t>(hi, ch.va + ch.size);
-          if (!ch.borrowed_from && ch.owner == kOwnerSpan && end - lo >= 2 * G) runs.push_back({lo, end - lo});
-          lo = end;
-        }
-      }
-  }
-  // Largest runs first: fewest maps for the bytes.
-  std::sort(runs.begin(), runs.end(), [](const run& l, const run& r) { return l.size > r.size || (l.size == r.size && l.va < r.va); });
-  std::vector<arena::borrow> out;
-  std::size_t got = 0;
-  for (const auto& r : runs) {
-    if (got >= want) break;
-    const std::size_t n = std::min(r.size, want - got);
-    block* b = block_containing(r.va);
-    assert(b && (b->flags & f_free) && b->addr <= r.va && r.va + n <= b->addr + b->size);
-    remove_free(b);
-    if (b->addr < r.va) {
-      block* rest = split(b, r.va);
-      insert_free(b);
-      b = rest;
-    }
-    if (b->size > n) insert_free(split(b, r.va + n));
-    b->flags = f_borrowed;
-    b->stream = nullptr;
-    b->free_seq = 0;
-    account(b->addr, b->size, true);  // its chunk holds a block: never wholly free while borrowed
-    const auto& ch = a.get(a.chunk_at(r.va));
-    out.push_back({r.va, n, ch.handle, r.va - ch.va + ch.offset});
-    got += n;
-  }
-  return out;
-}
-
-void heap::impl::drain_borrows() {
-  if (hid != 0 || private_pool || !a.take_returned_borrows(drained)) return;
-  for (const auto& [va, n] : drained) free_placeholder(va, n);  // the second mapping is gone: untagged
-  drained.clear();
-}
-
-void heap::impl::free_placeholder(std::uintptr_t va, std::size_t n, const stream_t* s, std::uint64_t at_seq) {
-  block* b = block_at(va);
-  assert(b && (b->flags & f_borrowed) && b->size == n);
-  (void)n;
-  account(b->addr, b->size, false);
-  b->flags = f_free;
-  if (s) {
-    b->flags |= f_tagged;
-    b->stream = *s;
-    b->free_seq = at_seq;
-  }
-  coalesce_insert(b);
-}
-
 result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t align, stream_t x) {
   std::size_t size = round_up(n, G);
   if (size < n) return {nullptr, fail(errc::out_of_memory, "size overflows")};
-  drain_borrows();
   // A second pass once the thread caches have handed back their blocks (set_before_growth).
   for (int pass = 0; pass < 2; ++pass) {
     if (pass && !take_back_cached()) break;
@@ -173,18 +98,8 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   }
   bool pressed = false;
   if (status e = prepare_growth(size, x, pressed); !e.ok()) return {nullptr, e};
-  // What idle handles do not cover, whole free pages of partly used span chunks may: mapped a
-  // second time at the new block's start, they cost a map each and no physical memory. Real
-  // training processes set their peak this way: a huge request creating while the spans hold
-  // hundreds of MiB of free pages in pieces too small for it (bench/RESULTS.md).
-  std::vector<arena::borrow> borrows;
-  if (a.opts().borrow_free_pages && !whole_chunks() && !private_pool && hid == 0 && !pressed &&
-      a.opts().compression == compression_mode::off) {
-    const std::size_t idle = std::min(size, a.idle_bytes_at_most(size));
-    if (size - idle >= G) borrows = borrow_pages(size - idle, x);
-  }
   std::size_t got = size;  // more when a retired handle larger than the request is mapped whole
-  auto r = a.map_range(size, 0, kOwnerHuge, &got, hid, borrows.empty() ? nullptr : &borrows);
+  auto r = a.map_range(size, 0, kOwnerHuge, &got, hid);
   if (!r.ok() && !a.pending_growth() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};

@@ -7,7 +7,6 @@ namespace vmm {
 
 
 result<heap::impl::block*> heap::impl::allocate_large(std::size_t n, std::size_t align, stream_t x, bool may_grow) {
-  drain_borrows();
   std::size_t size = align_up(std::max<std::size_t>(n, 1), kUnit);
   std::size_t need = size + (align > kUnit ? align - kUnit : 0);
   if (size < n || need < size) return {nullptr, fail(errc::out_of_memory, "size overflows")};
@@ -43,10 +42,6 @@ void heap::impl::free_large(block* b, stream_t s) {
   b->stream = s;
   b->free_seq = ++seq;
   b->set_requested(0);
-  coalesce_insert(b);
-}
-
-void heap::impl::coalesce_insert(block* b) {
   if (b->prev_phys && compatible(b->prev_phys, b)) {
     block* l = b->prev_phys;
     remove_free(l);
@@ -187,7 +182,6 @@ status heap::impl::evict_free_chunks(std::size_t target, bool keep_handle, bool 
     bool busy = false;
     const bool larger = for_stream && a.get(id).size > target - have();
     if (status s = release_chunk(id, keep_handle, wait, busy, for_stream); !s.ok()) return s;
-    drain_borrows();  // borrowed pages coming back may leave their chunks wholly free
     // A chunk larger than what is missing ends the eviction: evicting more would only cut up
     // other spans (and, under GPU lag, hold their memory twice). Replays of three PyTorch
     // traces with the GPU 100 and 1000 events behind: 1 to 10 % less peak memory.
@@ -248,7 +242,6 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
     return release_huge(b, keep_handle, retire ? for_stream : nullptr);
   }
   std::uintptr_t cs = c.va, ce = c.va + c.size;
-  std::uintptr_t from = 0;  // a retired borrowed chunk's placeholder, freed once the span is cut
   block* first = block_containing(cs);
   block* last = first;
   while (last->addr + last->size < ce) last = last->next_phys;
@@ -258,7 +251,6 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
       busy = true;  // cannot order the reuse: leave the chunk as it is
       return {};
     }
-    from = c.borrowed_from;
     a.retire_chunk(id, f.value, *for_stream);
     ++st.chunks_retired;
   } else {
@@ -319,7 +311,6 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
   }
   if (left) insert_free(left);
   if (right) insert_free(right);
-  if (from) free_placeholder(from, ce - cs, for_stream, seq);  // reusable on that stream at once
   return {};
 }
 
@@ -339,7 +330,6 @@ void heap::impl::decay_idle() {
 
 void heap::impl::maybe_release() {
   if (private_pool) return;
-  drain_borrows();
   if (a.opts().idle_decay_ms > 0) decay_idle();
   const std::size_t keep = a.opts().release_threshold;
   if (a.free_chunk_bytes() + a.idle_bytes() <= keep) return;  // the common case: two loads

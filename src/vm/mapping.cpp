@@ -12,10 +12,6 @@ status strays::retry(driver& d, std::size_t* released) {
       s = driver::twice([&] { return d.unmap(it->va, it->size); });
       if (s.ok()) it->mapped = false;
     }
-    if (s.ok() && it->borrowed) {  // the handle is its owner's
-      it = v_.erase(it);
-      continue;
-    }
     if (s.ok()) s = driver::twice([&] { return d.release(it->h); });
     if (s.ok()) {
       if (released) *released += it->size;
@@ -30,8 +26,7 @@ status strays::retry(driver& d, std::size_t* released) {
 
 std::size_t strays::bytes() const noexcept {
   std::size_t n = 0;
-  for (const auto& e : v_)
-    if (!e.borrowed) n += e.size;
+  for (const auto& e : v_) n += e.size;
   return n;
 }
 
@@ -56,20 +51,12 @@ status mapping_txn::map(std::uintptr_t va, std::size_t size, mem_handle h, bool 
   return {};
 }
 
-status mapping_txn::map_borrowed(std::uintptr_t va, std::size_t size, mem_handle h, std::size_t offset) {
-  done_.reserve(done_.size() + 1);
-  status st = d_.map(va, size, h, offset);
-  if (st.ok()) done_.push_back({va, size, h, false, true});
-  return st;
-}
-
 void mapping_txn::rollback() noexcept {
   for (auto it = done_.rbegin(); it != done_.rend(); ++it) {
     if (!driver::twice([&] { return d_.unmap(it->va, it->size); }).ok()) {
-      s_.add_mapping(it->va, it->size, it->h, it->borrowed);  // still mapped: its VA stays out of use
+      s_.add_mapping(it->va, it->size, it->h);  // still mapped: its VA stays out of use
       continue;
     }
-    if (it->borrowed) continue;  // the handle is its owner's
     give_back(it->h, it->size, it->created);
   }
   done_.clear();

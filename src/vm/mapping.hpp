@@ -33,11 +33,8 @@ class strays {
     std::size_t size = 0;
     mem_handle h = 0;
     bool mapped = false;    // the mapping still has to be undone before the release
-    bool borrowed = false;  // a second mapping of pages another mapping owns: unmapped, never released
   };
-  void add_mapping(std::uintptr_t va, std::size_t size, mem_handle h, bool borrowed = false) {
-    v_.push_back({va, size, h, true, borrowed});
-  }
+  void add_mapping(std::uintptr_t va, std::size_t size, mem_handle h) { v_.push_back({va, size, h, true}); }
   void add_handle(mem_handle h, std::size_t size) { v_.push_back({0, size, h, false}); }
   // Moves another list's entries here (a job's rollback work into its owner's list).
   void take(strays& o) {
@@ -50,7 +47,7 @@ class strays {
   bool empty() const noexcept { return v_.empty(); }
   std::size_t size() const noexcept { return v_.size(); }
   const std::vector<entry>& entries() const noexcept { return v_; }
-  std::size_t bytes() const noexcept;  // physical bytes parked (still held; borrowed mappings hold none)
+  std::size_t bytes() const noexcept;  // physical bytes parked (still held)
 
  private:
   std::vector<entry> v_;
@@ -66,9 +63,6 @@ class mapping_txn {
   // Maps h (size bytes, offset 0) at va. created: the rollback releases h; else it is handed back.
   // On failure h is not mapped and is already handed back / released by the rule above.
   status map(std::uintptr_t va, std::size_t size, mem_handle h, bool created);
-  // Maps bytes [offset, offset + size) of a handle another mapping owns (borrowed pages): the
-  // rollback unmaps it and neither releases nor hands back the handle.
-  status map_borrowed(std::uintptr_t va, std::size_t size, mem_handle h, std::size_t offset);
   status set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc> acc) {
     return d_.set_access(va, size, acc);
   }
@@ -91,7 +85,6 @@ class mapping_txn {
     std::size_t size;
     mem_handle h;
     bool created;
-    bool borrowed = false;
   };
   void give_back(mem_handle h, std::size_t size, bool created) noexcept;
 

@@ -6,7 +6,8 @@
 //  R1 Every operation returns `status` (or `result<T>`), never throws, and on failure leaves no
 //     half-done state behind: a failed create() holds no memory, a failed map() maps nothing.
 //  R2 Sizes given to create/map/unmap/set_access are multiples of granularity().minimum; virtual
-//     addresses are aligned to it; map() offsets are 0 (the CUDA driver supports no other).
+//     addresses are aligned to it; map() offsets are 0 (the CUDA driver supports no other: an
+//     offset on the granularity into a larger handle is NOT_SUPPORTED too, H200, driver 580).
 //     Callers round (the mapping layer's job); backends refuse the rest (invalid_value or
 //     not_supported: the CUDA driver answers NOT_SUPPORTED for a size or offset off the granularity).
 //  R3 unmap(va, size) must name exactly a range that one map() mapped (cuMemUnmap's rule); a part

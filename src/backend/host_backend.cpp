@@ -251,6 +251,9 @@ status host_backend::map(std::uintptr_t va, std::size_t size, mem_handle h, std:
   if (size == 0 || !p_->aligned(va) || !p_->aligned(size) || !p_->aligned(offset) ||
       offset + size > hit->second || offset + size < offset)
     return errno_status(EINVAL, "mmap");
+  // The driver maps a handle from its start only: an offset on the granularity is refused with
+  // CUDA_ERROR_NOT_SUPPORTED (H200, driver 580; cuda.h no longer says so), and so is it here.
+  if (offset != 0) return errno_status(EOPNOTSUPP, "mmap");
   if (!p_->inside_reservation(va, size) || p_->overlaps_mapping(va, size))
     return errno_status(EINVAL, "mmap");
   void* r = ::mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd,

@@ -105,12 +105,6 @@ class vmmalloc_peer final : public peer {
 #endif
   }
   std::string name() const override { return "vmmalloc"; }
-  // current()'s first sample at the highest physical bytes so far, and the spans then.
-  struct peak_state {
-    std::size_t physical = 0, allocated = 0, idle = 0, free_chunks = 0;
-    vmm::span_free_stats spans;
-  };
-  peak_state at_peak_;
   std::string detail() const override { return detail_; }
   void* allocate(std::size_t n, void* s) noexcept override {
     void* p = a_.try_allocate(n, 0, s);
@@ -233,6 +227,12 @@ class vmmalloc_peer final : public peer {
   bool device_;
   std::string detail_;
   vmm::host_backend* hb_;  // owned by a_ (host backend only)
+  // current()'s first sample at the highest physical bytes so far, and the spans then.
+  struct peak_state {
+    std::size_t physical = 0, allocated = 0, idle = 0, free_chunks = 0;
+    vmm::span_free_stats spans;
+  };
+  peak_state at_peak_;
 #ifdef VMM_REPLAY_CUDA
   device_usage dev_;
 #endif

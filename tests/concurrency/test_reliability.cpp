@@ -308,3 +308,39 @@ TEST_CASE("class_stats(), stats() and check() while other threads allocate and f
   CHECK(seen > 0);
   CHECK(a.stats().live == 0);
 }
+
+TEST_CASE("span_free() while other threads allocate and free large blocks (thread caches on)") {
+  options o;
+  o.reservation_size = GiB;
+  auto a = allocator::host(o);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 3; ++t)
+    ts.emplace_back([&, t] {
+      std::mt19937_64 r(static_cast<std::uint64_t>(t) + 7);
+      std::vector<void*> live;
+      while (!stop.load()) {
+        if (live.size() > 16 || (!live.empty() && r() % 2)) {
+          a.deallocate(live.back());
+          live.pop_back();
+        } else {
+          live.push_back(a.allocate(64 * KiB + r() % (4 * MiB)));  // the large path: span blocks
+        }
+      }
+      for (void* p : live) a.deallocate(p);
+    });
+  std::size_t seen = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(300 * kScale);
+  while (std::chrono::steady_clock::now() < end) {
+    const auto f = a.span_free();
+    CHECK(f.whole_pages <= f.bytes);
+    CHECK(f.largest <= f.bytes);
+    CHECK((f.blocks == 0) == (f.bytes == 0));
+    seen += f.blocks;
+    CHECK(a.check() == "");
+  }
+  stop = true;
+  for (auto& t : ts) t.join();
+  CHECK(seen > 0);
+  CHECK(a.stats().live == 0);
+}

@@ -173,7 +173,7 @@ bool arena::aliased(mem_handle h, bool fenced_only) const {
 }
 
 result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
-                                        std::size_t* mapped, std::uint16_t heap) {
+                                        std::size_t* mapped, std::uint16_t heap, std::size_t max_piece) {
   if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
   assert(!pending_);  // a deferred growth is taken before the next mapping
   (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
@@ -248,7 +248,12 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       give_back();
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
     }
-    pieces.push_back({want, 0, true, false});  // created by run_growth
+    const std::size_t cap = max_piece ? std::max(round_up(max_piece, gran_), gran_) : want;
+    for (std::size_t left = want; left;) {
+      const std::size_t n = std::min(left, cap);
+      pieces.push_back({n, 0, true, false});  // created by run_growth
+      left -= n;
+    }
     taken += want;
     total += want;
   }

@@ -109,9 +109,11 @@ class arena {
   // Idle handles are used first (stitching); the rest is created. Returns the VA, or 0 + status.
   // With `mapped` given the range may come out larger: a retired handle (its memory held until its
   // old range is unmapped anyway) bigger than what is left to map is mapped whole rather than
-  // released while a new one is created; *mapped says how much was mapped.
+  // released while a new one is created; *mapped says how much was mapped. With max_piece != 0
+  // what is created comes as handles of at most that size (rounded up to G).
   result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
-                                   std::size_t* mapped = nullptr, std::uint16_t heap = 0);
+                                   std::size_t* mapped = nullptr, std::uint16_t heap = 0,
+                                   std::size_t max_piece = 0);
   // ---- growth outside the front end's lock ----
   // With defer_growth(true), a map_range that needs driver calls does only the bookkeeping: it
   // takes the hole and the idle handles it will map, counts what it will create against the

@@ -99,11 +99,11 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   bool pressed = false;
   if (status e = prepare_growth(size, x, pressed); !e.ok()) return {nullptr, e};
   std::size_t got = size;  // more when a retired handle larger than the request is mapped whole
-  auto r = a.map_range(size, 0, kOwnerHuge, &got, hid);
+  auto r = a.map_range(size, 0, kOwnerHuge, &got, hid, a.opts().huge_chunk);
   if (!r.ok() && !a.pending_growth() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};
-    r = a.map_range(size, 0, kOwnerHuge, &got, hid);
+    r = a.map_range(size, 0, kOwnerHuge, &got, hid, a.opts().huge_chunk);
   }
   if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
   if (auto* g = a.pending_growth()) {  // runs outside the front end's lock: see grow()

@@ -361,6 +361,41 @@ TEST_CASE("split_cached_huge: a huge request up to 2x smaller splits a cached bl
   }
 }
 
+TEST_CASE("huge_chunk: a split huge block's wholly free handles serve the next huge request") {
+  // One handle per huge block: a small block left in its memory keeps the whole handle mapped,
+  // and a larger huge request creates all of its memory again. Handles of huge/8: only the one
+  // holding the small block stays; the others are mapped again for the next request.
+  for (bool chunked : {false, true}) {
+    CAPTURE(chunked);
+    vmm::options o = conf::small_options();
+    o.thread_cache_large = false;
+    const std::size_t huge = std::max<std::size_t>(o.huge_threshold, 64 * MiB) * 2;
+    o.huge_chunk = chunked ? huge / 8 : 0;
+    auto [hb, a] = vmm::test::make_host_alloc(o);
+    const auto c0 = a.stats().calls;
+    void* p = a.allocate(huge);
+    CHECK(a.stats().calls.create - c0.create == (chunked ? 8u : 1u));
+    CHECK(a.stats().chunks == (chunked ? 8u : 1u));
+    a.deallocate(p);                                // cached whole
+    void* q = a.allocate(huge / 2 + huge / 4);      // splits it: the rest is span memory
+    void* s = a.allocate(MiB);                      // lands in the rest
+    host_traits::fill(s, MiB, 9);
+    a.deallocate(q);
+    REQUIRE(a.stats().physical == huge);
+    void* r = a.allocate(huge - huge / 8 + 2 * MiB);  // no free block this large: new memory
+    host_traits::fill(r, huge - huge / 8 + 2 * MiB, 4);
+    if (chunked) CHECK(a.stats().physical <= huge + huge / 4);  // six wholly free handles mapped again
+    else CHECK(a.stats().physical >= huge + huge / 2);          // all of it created
+    CHECK(host_traits::verify(s, MiB, 9));
+    CHECK(host_traits::verify(r, huge - huge / 8 + 2 * MiB, 4));
+    CHECK(a.check() == "");
+    a.deallocate(r);
+    a.deallocate(s);
+    a.trim(0);
+    CHECK(a.stats().mapped == 0);
+  }
+}
+
 TEST_CASE("streams: memory freed on S while S runs behind serves S's next growth, not new memory") {
   // The GPU behind the CPU: S's fences stay pending. Free chunks S alone may still use are
   // retired (their handles mapped where S's next request needs them, their old VA unmapped once

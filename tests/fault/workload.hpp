@@ -33,7 +33,7 @@ struct step {
 inline stream_t stream_tag(int s) { return s ? reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(s)) : nullptr; }
 
 // Options of the sweep: huge reached at 16 MiB, geometric growth capped at 4 MiB (many chunks),
-// huge blocks above 64 MiB created as several handles (a fault part-way through one growth),
+// huge blocks above 64 MiB created as several handles (huge_chunk: a fault part-way through one growth),
 // release threshold 64 MiB (frees of big blocks unmap chunks during the workload), 8 GiB VA.
 inline options sweep_options() {
   options o;

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Reliability under concurrency and pressure, on the host backend (CI runs these in the plain,
 // ASan and TSan trees):
-//   * options.memory_limit is a hard cap: peak_physical <= memory_limit with many threads
+//   * options.memory_limit is a hard cap: peak_physical <= memory_limit with many threads, huge
+//     blocks of one handle or of several (huge_chunk)
 //   * free memory is reclaimed before out-of-memory: after every free, limit - granularity fits
 //     without a trim()
 //   * a racing double free (with trim() beside it) is refused, never a use-after-free
@@ -86,7 +87,10 @@ TEST_CASE("memory_limit is a hard cap: six threads of mixed sizes never exceed i
   const std::size_t limit = 64 * MiB;
   options o = limited(limit);
   o.huge_threshold = 16 * MiB;
-  for (int round = 0; round < 2 * kScale; ++round) {
+  // One handle a huge block, and huge blocks of 4-16 handles (several creates in one growth).
+  for (int round = 0; round < 4 * kScale; ++round) {
+    o.huge_chunk = round % 2 ? 4 * MiB : 0;
+    CAPTURE(o.huge_chunk);
     auto a = allocator::host(o);
     run_result res;
     std::vector<std::thread> ts;

@@ -238,6 +238,7 @@ TEST_CASE("span_free sees a freed block between live ones: its bytes, whole page
 TEST_CASE("an ipc policy puts every allocation on chunks of its own; export hands out exactly those") {
   options o = small_reservation();
   o.ipc = ipc_kind::posix_fd;
+  o.huge_chunk = 1;  // the granularity: still one handle an exportable allocation (one export each)
   faulty f(o);
   const std::size_t G = f.a.granularity();
   char* p = static_cast<char*>(f.a.allocate(100));
@@ -274,6 +275,7 @@ TEST_CASE("an ipc policy puts every allocation on chunks of its own; export hand
     CHECK(c.handle.fd >= 0);
   }
   CHECK(total == 2 * G);
+  CHECK(hr.chunks.size() == 1);
   CHECK(hr.size == G + 1);
   CHECK(f.a.stats().exported == 2);
 

@@ -99,11 +99,14 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   bool pressed = false;
   if (status e = prepare_growth(size, x, pressed); !e.ok()) return {nullptr, e};
   std::size_t got = size;  // more when a retired handle larger than the request is mapped whole
-  auto r = a.map_range(size, 0, kOwnerHuge, &got, hid, a.opts().huge_chunk);
+  // Several handles let a split block's free ones serve later requests. An exportable block is
+  // never split or reused, and each handle would cost an export: one handle.
+  const std::size_t piece = whole_chunks() ? 0 : a.opts().huge_chunk;
+  auto r = a.map_range(size, 0, kOwnerHuge, &got, hid, piece);
   if (!r.ok() && !a.pending_growth() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};
-    r = a.map_range(size, 0, kOwnerHuge, &got, hid, a.opts().huge_chunk);
+    r = a.map_range(size, 0, kOwnerHuge, &got, hid, piece);
   }
   if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
   if (auto* g = a.pending_growth()) {  // runs outside the front end's lock: see grow()

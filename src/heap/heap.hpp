@@ -5,8 +5,9 @@
 //          from slabs (one G-aligned page carved into equal slots); free = push the slot index.
 //   large  (up to huge_threshold): TLSF-style good fit over "spans" (contiguous mapped VA), O(1)
 //          search with two bitmaps, immediate coalescing with free neighbours.
-//   huge   (>= huge_threshold, default 256 MiB): a dedicated chunk per allocation, cached on free
-//          for a same-size request, unmapped beyond the release threshold.
+//   huge   (>= huge_threshold, default 256 MiB): dedicated chunks per allocation (handles of at
+//          most huge_chunk), cached on free for a same-size request, unmapped beyond the release
+//          threshold.
 //
 // All metadata lives in host memory: device memory is not readable by the CPU. free(p) finds its
 // block in O(1): the page map (page = granularity G) gives the slab of p, or a short chain of the

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Huge blocks: a dedicated chunk per allocation (sizes from options.huge_threshold, and every
-// allocation of an exportable policy), cached on free for a same-size request.
+// Huge blocks: dedicated chunks per allocation (sizes from options.huge_threshold, and every
+// allocation of an exportable policy), handles of at most options.huge_chunk side by side (one for
+// an exportable policy), cached on free for a same-size request.
 #include "heap/heap_impl.hpp"
 
 namespace vmm {

@@ -81,6 +81,35 @@ void churn(allocator& a, int seed, int ops, std::size_t keep, run_result& res) {
   }
   for (void* p : live) a.deallocate(p);
 }
+
+// Three threads that allocate sizes lo .. lo + spread and free them (up to `keep` live) until
+// stop(), while the test reads the allocator's state from its own thread.
+struct background_churn {
+  std::atomic<bool> done{false};
+  std::vector<std::thread> ts;
+  background_churn(allocator& a, std::uint64_t seed, std::size_t keep, std::size_t lo, std::size_t spread) {
+    for (int t = 0; t < 3; ++t)
+      ts.emplace_back([&a, this, seed, keep, lo, spread, t] {
+        std::mt19937_64 r(seed + static_cast<std::uint64_t>(t));
+        std::vector<void*> live;
+        while (!done.load()) {
+          if (live.size() > keep || (!live.empty() && r() % 2)) {
+            a.deallocate(live.back());
+            live.pop_back();
+          } else {
+            live.push_back(a.allocate(lo + r() % spread));
+          }
+        }
+        for (void* p : live) a.deallocate(p);
+      });
+  }
+  void stop() {
+    done = true;
+    for (auto& t : ts) t.join();
+    ts.clear();
+  }
+  ~background_churn() { stop(); }
+};
 }  // namespace
 
 TEST_CASE("memory_limit is a hard cap: six threads of mixed sizes never exceed it") {
@@ -279,22 +308,7 @@ TEST_CASE("class_stats(), stats() and check() while other threads allocate and f
   options o;
   o.reservation_size = GiB;
   auto a = allocator::host(o);
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> ts;
-  for (int t = 0; t < 3; ++t)
-    ts.emplace_back([&, t] {
-      std::mt19937_64 r(static_cast<std::uint64_t>(t));
-      std::vector<void*> live;
-      while (!stop.load()) {
-        if (live.size() > 64 || (!live.empty() && r() % 2)) {
-          a.deallocate(live.back());
-          live.pop_back();
-        } else {
-          live.push_back(a.allocate(64 + r() % (32 * KiB)));
-        }
-      }
-      for (void* p : live) a.deallocate(p);
-    });
+  background_churn bg(a, 0, 64, 64, 32 * KiB);
   std::size_t seen = 0;
   const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(300 * kScale);
   while (std::chrono::steady_clock::now() < end) {
@@ -307,8 +321,7 @@ TEST_CASE("class_stats(), stats() and check() while other threads allocate and f
     CHECK(s.requested <= s.allocated);
     CHECK(a.check() == "");
   }
-  stop = true;
-  for (auto& t : ts) t.join();
+  bg.stop();
   CHECK(seen > 0);
   CHECK(a.stats().live == 0);
 }
@@ -317,22 +330,7 @@ TEST_CASE("span_free() while other threads allocate and free large blocks (threa
   options o;
   o.reservation_size = GiB;
   auto a = allocator::host(o);
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> ts;
-  for (int t = 0; t < 3; ++t)
-    ts.emplace_back([&, t] {
-      std::mt19937_64 r(static_cast<std::uint64_t>(t) + 7);
-      std::vector<void*> live;
-      while (!stop.load()) {
-        if (live.size() > 16 || (!live.empty() && r() % 2)) {
-          a.deallocate(live.back());
-          live.pop_back();
-        } else {
-          live.push_back(a.allocate(64 * KiB + r() % (4 * MiB)));  // the large path: span blocks
-        }
-      }
-      for (void* p : live) a.deallocate(p);
-    });
+  background_churn bg(a, 7, 16, 64 * KiB, 4 * MiB);  // the large path: span blocks
   std::size_t seen = 0;
   const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(300 * kScale);
   while (std::chrono::steady_clock::now() < end) {
@@ -343,8 +341,7 @@ TEST_CASE("span_free() while other threads allocate and free large blocks (threa
     seen += f.blocks;
     CHECK(a.check() == "");
   }
-  stop = true;
-  for (auto& t : ts) t.join();
+  bg.stop();
   CHECK(seen > 0);
   CHECK(a.stats().live == 0);
 }

@@ -364,7 +364,7 @@ TEST_CASE("split_cached_huge: a huge request up to 2x smaller splits a cached bl
 TEST_CASE("huge_chunk: a split huge block's wholly free handles serve the next huge request") {
   // One handle per huge block: a small block left in its memory keeps the whole handle mapped,
   // and a larger huge request creates all of its memory again. Handles of huge/8: only the one
-  // holding the small block stays; the others are mapped again for the next request.
+  // holding the small block stays; the other seven are mapped again for the next request.
   for (bool chunked : {false, true}) {
     CAPTURE(chunked);
     vmm::options o = conf::small_options();
@@ -384,7 +384,7 @@ TEST_CASE("huge_chunk: a split huge block's wholly free handles serve the next h
     REQUIRE(a.stats().physical == huge);
     void* r = a.allocate(huge - huge / 8 + 2 * MiB);  // no free block this large: new memory
     host_traits::fill(r, huge - huge / 8 + 2 * MiB, 4);
-    if (chunked) CHECK(a.stats().physical <= huge + huge / 4);  // six wholly free handles mapped again
+    if (chunked) CHECK(a.stats().physical <= huge + huge / 4);  // the seven wholly free handles mapped again
     else CHECK(a.stats().physical >= huge + huge / 2);          // all of it created
     CHECK(host_traits::verify(s, MiB, 9));
     CHECK(host_traits::verify(r, huge - huge / 8 + 2 * MiB, 4));

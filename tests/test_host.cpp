@@ -908,6 +908,24 @@ TEST_CASE("bad input: a pointer from a destroyed allocator is refused by the nex
   b.deallocate(b.allocate(100));
 }
 
+TEST_CASE("thread caches: a default alignment above 256 holds on the fast path too") {
+  vmm::options o = conf::small_options();
+  o.alignment = 4096;
+  auto a = host_traits::make(o);
+  // An explicit 256-byte alignment fills this thread's cache with 512-byte slots...
+  a.deallocate(a.allocate(512, 256));
+  std::size_t cached = 0;
+  for (const auto& c : a.class_stats()) cached += c.cached_slots;
+  REQUIRE(cached > 0);
+  // ...which requests with the default alignment must not take.
+  for (int i = 0; i < 4; ++i) {
+    void* p = a.allocate(512);
+    CHECK(reinterpret_cast<std::uintptr_t>(p) % 4096 == 0);
+    a.deallocate(p);
+  }
+  CHECK(a.check() == "");
+}
+
 TEST_CASE("stats: a block allocated through a thread cache and freed on the locked path keeps peaks sane") {
   auto a = host_traits::make(conf::small_options());
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);

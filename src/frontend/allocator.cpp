@@ -47,6 +47,7 @@ allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(st
   p_->large_cache = p_->tc_enabled && o.thread_cache_large && !p_->ar->whole_chunks() &&
                     o.release_threshold == std::numeric_limits<std::size_t>::max();
   p_->tc_cap = std::max<std::size_t>(o.thread_cache_slots, 2);
+  p_->default_alignment = p_->ar->opts().alignment;
   if (p_->large_cache) p_->hp->set_before_growth([m = p_.get()] { return m->take_back_large(); });
   p_->unit_class.push_back(0);
   for (std::size_t n = 256; p_->hp->small_class(n) >= 0; n += 256) {
@@ -141,6 +142,33 @@ void allocator::impl::wait_streams(std::unique_lock<std::mutex>& lk, std::vector
 }
 
 namespace {
+// The thread cache's two moves, shared by the fast paths and the general ones.
+// Hands out the top slot of a bin that holds one: the slot becomes the user's.
+void* pop_slot(tcache& c, tcache::bin& b, std::size_t bytes) {
+  const std::uint64_t n = b.n.get();
+  auto& e = b.e[n - 1];
+  c.last = &e;
+  b.n.set(n - 1);
+  e.r.state->store(e.r.word(1), std::memory_order_relaxed);
+  e.r.req->store(static_cast<std::uint32_t>(bytes), std::memory_order_relaxed);
+  c.req_delta.add(bytes);
+  c.fast_allocs.add(1);
+  return reinterpret_cast<void*>(e.p);
+}
+
+// Puts a slot this thread claimed (state 2) on top of its bin, which has room.
+void push_slot(tcache& c, tcache::bin& b, std::uintptr_t u, const heap::slot_ref& r, std::uint32_t req,
+               stream_t s) {
+  c.req_delta.add(-std::uint64_t{req});
+  r.req->store(0, std::memory_order_relaxed);
+  const std::uint64_t n = b.n.get();
+  // Freed right after it was popped, the slot lands in the entry that still holds it.
+  if (&b.e[n].r != &r) b.e[n] = {u, r};
+  b.n.set(n + 1);
+  b.stream = s;
+  c.fast_frees.add(1);
+}
+
 // Under lk: attempt(defer) is one try of a heap's allocate. A growth of the own heap it parked
 // (arena::defer_growth) runs without lk: its driver calls (create, map, set_access: tens of
 // microseconds to milliseconds) hold up no other thread's allocation from mapped memory. Then it
@@ -187,7 +215,24 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
 }
 }  // namespace
 
+// The fast path: a pop from this thread's cache of this allocator, in the bin's stream, with no
+// trace. Anything else (no cache yet, an empty bin, another stream, other sizes) takes
+// allocate_general, which checks it all again.
 void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
+  impl& m = *p_;
+  const std::size_t al = alignment ? alignment : m.default_alignment;
+  if (m.tc_enabled && !m.trace && al <= 256 && (al & (al - 1)) == 0 && tl_cache_owner == m.id &&
+      m.capturing.load(std::memory_order_acquire) == 0) {
+    if (const int cls = m.small_class(bytes); cls >= 0) {
+      tcache& c = *tl_cache;
+      auto& b = c.bins[cls];
+      if (b.n.get() && b.stream == s) return pop_slot(c, b, bytes);
+    }
+  }
+  return allocate_general(bytes, alignment, s);
+}
+
+void* allocator::allocate_general(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
   impl& m = *p_;
   if (alignment == 0) alignment = m.ar->opts().alignment;
   // Thread caches hold slots of the own heap: while a graph pool is begun, allocations take the
@@ -221,16 +266,10 @@ void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t
         b.stream = s;
         c.refilled.add(got);
       }
-      if (const std::uint64_t n = b.n.get(); n && b.stream == s) {  // the fast path: pop, mark the slot the user's
-        auto& e = b.e[n - 1];
-        c.last = &e;
-        b.n.set(n - 1);
-        e.r.state->store(e.r.word(1), std::memory_order_relaxed);
-        e.r.req->store(static_cast<std::uint32_t>(bytes), std::memory_order_relaxed);
-        c.req_delta.add(bytes);
-        c.fast_allocs.add(1);
-        if (m.trace) [[unlikely]] m.trace->event('a', e.p, bytes, s);
-        return reinterpret_cast<void*>(e.p);
+      if (b.n.get() && b.stream == s) {
+        void* p = pop_slot(c, b, bytes);
+        if (m.trace) [[unlikely]] m.trace->event('a', reinterpret_cast<std::uintptr_t>(p), bytes, s);
+        return p;
       }
     } else if (m.large_cache && bytes != 0) {
       return allocate_large_cached(bytes, alignment, s);
@@ -334,7 +373,31 @@ void* allocator::allocate(std::size_t bytes, std::size_t alignment, stream_t s) 
   return p;
 }
 
+// The fast path: the slot this thread popped last, freed on its stream into a bin with room, with
+// no trace. Anything else takes deallocate_general, which checks it all again (a lost claim there
+// finds the slot no longer the user's and reports it).
 status allocator::try_deallocate(void* p, stream_t s) noexcept {
+  impl& m = *p_;
+  const auto u = reinterpret_cast<std::uintptr_t>(p);
+  if (m.tc_enabled && !m.trace && tl_cache_owner == m.id) {
+    tcache& c = *tl_cache;
+    const tcache::entry* last = c.last;
+    if (last && last->p == u && u && last->r.stream == s && last->r.current()) {
+      const heap::slot_ref& r = last->r;
+      auto& b = c.bins[r.cls];
+      const std::uint64_t n = b.n.get();
+      std::uint16_t expect = r.word(1);
+      if (n < m.tc_cap && (n == 0 || b.stream == s) && &b.e[n] == last &&
+          r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel)) {
+        push_slot(c, b, u, r, r.req->load(std::memory_order_relaxed), s);
+        return {};
+      }
+    }
+  }
+  return deallocate_general(p, s);
+}
+
+status allocator::deallocate_general(void* p, stream_t s) noexcept {
   if (!p) return {};
   impl& m = *p_;
   auto u = reinterpret_cast<std::uintptr_t>(p);
@@ -376,15 +439,8 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
         (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(c, false); });
       }
       const std::uint32_t req = r.req->load(std::memory_order_relaxed);
-      c.req_delta.add(-std::uint64_t{req});
       if (m.trace) [[unlikely]] m.trace->event('f', u, req, s);
-      r.req->store(0, std::memory_order_relaxed);
-      const std::uint64_t n = b.n.get();
-      // Freed right after it was popped, the slot lands in the entry that still holds it.
-      if (&b.e[n] != last || rp != &last->r) b.e[n] = {u, r};
-      b.n.set(n + 1);
-      b.stream = s;
-      c.fast_frees.add(1);
+      push_slot(c, b, u, r, req, s);
       return {};
     }
   }

@@ -49,6 +49,7 @@ struct allocator::impl {
   bool tc_enabled = false;
   bool large_cache = false;  // thread caches keep one large block too (not for exportable memory)
   std::size_t tc_cap = 32;
+  std::size_t default_alignment = 256;  // options.alignment, read by the fast path without the arena
   std::size_t classes = 0;
   // The heap's size classes, copied so the hot path looks a class up without a call: the class
   // of n bytes is unit_class[(n + 255) / 256] for 0 < n <= small_limit.

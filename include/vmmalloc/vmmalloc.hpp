@@ -137,11 +137,6 @@ class allocator {
   bool host_accessible() const;
 
  private:
-  // Everything but the thread cache's pop and push: refills, flushes, large blocks, the locked
-  // heap. Out of line, so the fast paths save and restore few registers.
-  void* allocate_general(std::size_t bytes, std::size_t alignment, stream_t s) noexcept;
-  status deallocate_general(void* p, stream_t s) noexcept;
-  void* allocate_large_cached(std::size_t bytes, std::size_t alignment, stream_t s) noexcept;
   struct impl;  // src/frontend/allocator_impl.hpp: heap, arena, thread caches, trace
   friend struct allocator_access;
   std::unique_ptr<impl> p_;

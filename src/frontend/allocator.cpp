@@ -156,6 +156,40 @@ void* pop_slot(tcache& c, tcache::bin& b, std::size_t bytes) {
   return reinterpret_cast<void*>(e.p);
 }
 
+// The cached large block, handed to this thread's request of `bytes` on stream s if it fits (up
+// to 1/64 larger: what a reuse leaves unused is held as long as the block lives; with 1/8 the dev
+// trace's replays held 0.2-1.9 % more at the peak). Null when it does not.
+void* take_large(tcache& c, std::size_t bytes, stream_t s, trace_writer* trace) {
+  auto& L = c.large;
+  const std::size_t need = (bytes + 255) & ~std::size_t{255};
+  if (!(L.cached && L.r.stream == s && L.r.size >= need && L.r.size - need <= std::max<std::size_t>(256, need / 64) &&
+        need >= bytes && heap::cache_reuse(L.r, bytes)))
+    return nullptr;
+  L.cached = false;
+  L.req = bytes;
+  c.req_delta.add(bytes);
+  c.large_cached.add(-std::uint64_t{L.r.size});
+  c.fast_allocs.add(1);
+  if (trace) [[unlikely]] trace->event('a', L.p, bytes, s);
+  return reinterpret_cast<void*>(L.p);
+}
+
+// The large block this thread handed out last, freed by it on its stream: the cache keeps it.
+// False when u is not that block (or the heap took it back).
+bool keep_large(tcache& c, std::uintptr_t u, stream_t s, trace_writer* trace) {
+  auto& L = c.large;
+  if (!(u == L.p && !L.cached && s == L.r.stream && heap::cache_claim(L.r))) return false;
+  L.cached = true;
+  c.req_delta.add(-std::uint64_t{L.req});
+  // The free is traced before the block can be taken back and handed out again (a trace must
+  // never show the address allocated twice).
+  if (trace) [[unlikely]] trace->event('f', u, L.req, s);
+  heap::cache_publish(L.r);
+  c.large_cached.add(L.r.size);
+  c.fast_frees.add(1);
+  return true;
+}
+
 // Puts a slot this thread claimed (state 2) on top of its bin, which has room.
 void push_slot(tcache& c, tcache::bin& b, std::uintptr_t u, const heap::slot_ref& r, std::uint32_t req,
                stream_t s) {
@@ -213,118 +247,16 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
     }
   }
 }
-}  // namespace
-
-// The fast path: a pop from this thread's cache of this allocator, in the bin's stream, with no
-// trace. Anything else (no cache yet, an empty bin, another stream, other sizes) takes
-// allocate_general, which checks it all again.
-void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
-  impl& m = *p_;
-  const std::size_t al = alignment ? alignment : m.default_alignment;
-  if (m.tc_enabled && !m.trace && al <= 256 && (al & (al - 1)) == 0 && tl_cache_owner == m.id &&
-      m.capturing.load(std::memory_order_acquire) == 0) {
-    if (const int cls = m.small_class(bytes); cls >= 0) {
-      tcache& c = *tl_cache;
-      auto& b = c.bins[cls];
-      if (b.n.get() && b.stream == s) return pop_slot(c, b, bytes);
-    }
-  }
-  return allocate_general(bytes, alignment, s);
-}
-
-void* allocator::allocate_general(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
-  impl& m = *p_;
-  if (alignment == 0) alignment = m.ar->opts().alignment;
-  // Thread caches hold slots of the own heap: while a graph pool is begun, allocations take the
-  // locked path, which decides between the pool and the own heap.
-  if (m.tc_enabled && alignment <= 256 && (alignment & (alignment - 1)) == 0 &&
-      m.capturing.load(std::memory_order_acquire) == 0) {
-    int cls = m.small_class(bytes);
-    if (cls >= 0) {
-      tcache& c = m.my_cache();
-      auto& b = c.bins[cls];
-      if (b.n.get() == 0) {  // refill half a bin under the lock
-        std::vector<std::uintptr_t> ps(m.tc_cap / 2);
-        std::size_t got;
-        {
-          // A new slab's growth runs outside the lock too (see allocate_growing); slots already
-          // handed out end the rounds. If it fails, the locked path below tries again and reports
-          // what is wrong.
-          std::unique_lock g(m.mu);
-          got = allocate_growing(m, g, [&](bool defer) -> result<std::uintptr_t> {
-            m.ar->defer_growth(defer);
-            const std::size_t n = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
-            m.ar->defer_growth(false);
-            return {n, n ? status{} : status{errc::out_of_memory, 0, "no slot", "refill"}};
-          }).value;
-        }
-        for (std::size_t k = 0; k < got; ++k) {
-          b.e[k].p = ps[k];
-          m.hp->small_slot(ps[k], b.e[k].r);
-        }
-        b.n.set(got);
-        b.stream = s;
-        c.refilled.add(got);
-      }
-      if (b.n.get() && b.stream == s) {
-        void* p = pop_slot(c, b, bytes);
-        if (m.trace) [[unlikely]] m.trace->event('a', reinterpret_cast<std::uintptr_t>(p), bytes, s);
-        return p;
-      }
-    } else if (m.large_cache && bytes != 0) {
-      return allocate_large_cached(bytes, alignment, s);
-    }
-  }
-  result<std::uintptr_t> r;
-  std::string why;
-  {
-    std::unique_lock g(m.mu);
-    auto attempt = [&](bool defer) {
-      heap& h = m.heap_for(s);
-      m.ar->defer_growth(defer && &h == m.hp.get());
-      auto x = h.allocate(bytes, alignment, s);  // reclaims and retries once inside
-      m.ar->defer_growth(false);
-      return x;
-    };
-    r = allocate_growing(m, g, attempt);
-    if (!r.ok() && r.st.kind == errc::out_of_memory) {
-      // This thread's cached slots may pin slabs the heap could give back: return them (what
-      // that gives back is unmapped and released outside the lock), try again.
-      if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->holds_any() &&
-          bytes <= m.ar->reservation_size()) {
-        (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(*tl_cache, true); });
-        r = allocate_growing(m, g, attempt);
-      }
-      if (!r.ok()) why = m.out_of_memory_detail();
-    }
-  }
-  if (!r.ok()) {
-    set_last_error(r.st, ("allocate(" + std::to_string(bytes) + ")").c_str(), why);
-    return nullptr;
-  }
-  if (m.trace) [[unlikely]] m.trace->event('a', r.value, bytes, s);
-  return reinterpret_cast<void*>(r.value);
-}
+// The general paths: everything but the thread cache's pop and push (refills, flushes, large
+// blocks, the locked heap). Out of line, so the fast paths save and restore few registers.
 
 // A size above the small classes through the thread cache: the block this thread freed last, if
 // it fits (no lock), else the heap (the cached block goes back first, under the same lock).
-void* allocator::allocate_large_cached(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
-  impl& m = *p_;
+[[gnu::noinline]] void* allocate_large_cached(allocator_impl& m, std::size_t bytes, std::size_t alignment,
+                                              stream_t s) noexcept {
   tcache& c = m.my_cache();
   auto& L = c.large;
-  const std::size_t need = (bytes + 255) & ~std::size_t{255};
-  // Up to 1/64 larger: what a reuse leaves unused is held as long as the block lives (with 1/8 the
-  // dev trace's replays held 0.2-1.9 % more at the peak).
-  if (L.cached && L.r.stream == s && L.r.size >= need && L.r.size - need <= std::max<std::size_t>(256, need / 64) &&
-      need >= bytes && heap::cache_reuse(L.r, bytes)) {
-    L.cached = false;
-    L.req = bytes;
-    c.req_delta.add(bytes);
-    c.large_cached.add(-std::uint64_t{L.r.size});
-    c.fast_allocs.add(1);
-    if (m.trace) [[unlikely]] m.trace->event('a', L.p, bytes, s);
-    return reinterpret_cast<void*>(L.p);
-  }
+  if (void* p = take_large(c, bytes, s, m.trace.get())) return p;
   result<std::uintptr_t> r;
   std::string why;
   {
@@ -367,56 +299,84 @@ void* allocator::allocate_large_cached(std::size_t bytes, std::size_t alignment,
   return reinterpret_cast<void*>(r.value);
 }
 
-void* allocator::allocate(std::size_t bytes, std::size_t alignment, stream_t s) {
-  void* p = try_allocate(bytes, alignment, s);
-  if (!p) throw_last_error("vmm::allocator");
-  return p;
-}
-
-// The fast path: the slot this thread popped last, freed on its stream into a bin with room, with
-// no trace. Anything else takes deallocate_general, which checks it all again (a lost claim there
-// finds the slot no longer the user's and reports it).
-status allocator::try_deallocate(void* p, stream_t s) noexcept {
-  impl& m = *p_;
-  const auto u = reinterpret_cast<std::uintptr_t>(p);
-  if (m.tc_enabled && !m.trace && tl_cache_owner == m.id) {
-    tcache& c = *tl_cache;
-    const tcache::entry* last = c.last;
-    if (last && last->p == u && u && last->r.stream == s && last->r.current()) {
-      const heap::slot_ref& r = last->r;
-      auto& b = c.bins[r.cls];
-      const std::uint64_t n = b.n.get();
-      std::uint16_t expect = r.word(1);
-      if (n < m.tc_cap && (n == 0 || b.stream == s) && &b.e[n] == last &&
-          r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel)) {
-        push_slot(c, b, u, r, r.req->load(std::memory_order_relaxed), s);
-        return {};
+[[gnu::noinline]] void* allocate_general(allocator_impl& m, std::size_t bytes, std::size_t alignment,
+                                         stream_t s) noexcept {
+  if (alignment == 0) alignment = m.ar->opts().alignment;
+  // Thread caches hold slots of the own heap: while a graph pool is begun, allocations take the
+  // locked path, which decides between the pool and the own heap.
+  if (m.tc_enabled && alignment <= 256 && (alignment & (alignment - 1)) == 0 &&
+      m.capturing.load(std::memory_order_acquire) == 0) {
+    int cls = m.small_class(bytes);
+    if (cls >= 0) {
+      tcache& c = m.my_cache();
+      auto& b = c.bins[cls];
+      if (b.n.get() == 0) {  // refill half a bin under the lock
+        std::vector<std::uintptr_t> ps(m.tc_cap / 2);
+        std::size_t got;
+        {
+          // A new slab's growth runs outside the lock too (see allocate_growing); slots already
+          // handed out end the rounds. If it fails, the locked path below tries again and reports
+          // what is wrong.
+          std::unique_lock g(m.mu);
+          got = allocate_growing(m, g, [&](bool defer) -> result<std::uintptr_t> {
+            m.ar->defer_growth(defer);
+            const std::size_t n = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
+            m.ar->defer_growth(false);
+            return {n, n ? status{} : status{errc::out_of_memory, 0, "no slot", "refill"}};
+          }).value;
+        }
+        for (std::size_t k = 0; k < got; ++k) {
+          b.e[k].p = ps[k];
+          m.hp->small_slot(ps[k], b.e[k].r);
+        }
+        b.n.set(got);
+        b.stream = s;
+        c.refilled.add(got);
       }
+      if (b.n.get() && b.stream == s) {
+        void* p = pop_slot(c, b, bytes);
+        if (m.trace) [[unlikely]] m.trace->event('a', reinterpret_cast<std::uintptr_t>(p), bytes, s);
+        return p;
+      }
+    } else if (m.large_cache && bytes != 0) {
+      return allocate_large_cached(m, bytes, alignment, s);
     }
   }
-  return deallocate_general(p, s);
+  result<std::uintptr_t> r;
+  std::string why;
+  {
+    std::unique_lock g(m.mu);
+    auto attempt = [&](bool defer) {
+      heap& h = m.heap_for(s);
+      m.ar->defer_growth(defer && &h == m.hp.get());
+      auto x = h.allocate(bytes, alignment, s);  // reclaims and retries once inside
+      m.ar->defer_growth(false);
+      return x;
+    };
+    r = allocate_growing(m, g, attempt);
+    if (!r.ok() && r.st.kind == errc::out_of_memory) {
+      // This thread's cached slots may pin slabs the heap could give back: return them (what
+      // that gives back is unmapped and released outside the lock), try again.
+      if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->holds_any() &&
+          bytes <= m.ar->reservation_size()) {
+        (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(*tl_cache, true); });
+        r = allocate_growing(m, g, attempt);
+      }
+      if (!r.ok()) why = m.out_of_memory_detail();
+    }
+  }
+  if (!r.ok()) {
+    set_last_error(r.st, ("allocate(" + std::to_string(bytes) + ")").c_str(), why);
+    return nullptr;
+  }
+  if (m.trace) [[unlikely]] m.trace->event('a', r.value, bytes, s);
+  return reinterpret_cast<void*>(r.value);
 }
 
-status allocator::deallocate_general(void* p, stream_t s) noexcept {
+[[gnu::noinline]] status deallocate_general(allocator_impl& m, void* p, stream_t s) noexcept {
   if (!p) return {};
-  impl& m = *p_;
   auto u = reinterpret_cast<std::uintptr_t>(p);
-  // The large block this thread handed out last, freed by it on its stream: the cache keeps it.
-  if (m.large_cache && tl_cache_owner == m.id) {
-    auto& L = tl_cache->large;
-    if (u == L.p && !L.cached && s == L.r.stream && heap::cache_claim(L.r)) {
-      tcache& c = *tl_cache;
-      L.cached = true;
-      c.req_delta.add(-std::uint64_t{L.req});
-      // The free is traced before the block can be taken back and handed out again (a trace
-      // must never show the address allocated twice).
-      if (m.trace) [[unlikely]] m.trace->event('f', u, L.req, s);
-      heap::cache_publish(L.r);
-      c.large_cached.add(L.r.size);
-      c.fast_frees.add(1);
-      return {};
-    }
-  }
+  if (m.large_cache && tl_cache_owner == m.id && keep_large(*tl_cache, u, s, m.trace.get())) return {};
   // The slot this thread handed out last (the common allocate-then-free pattern) is found without
   // the page-map lookup: its bin entry still holds the reference, valid while the slab's set-up
   // count is unchanged. Any other address, or a slab set up again since, looks the slot up.
@@ -463,6 +423,58 @@ status allocator::deallocate_general(void* p, stream_t s) noexcept {
   if (!st.ok()) set_last_error(st, "deallocate");
   return st;
 }
+
+}  // namespace
+
+// The fast path: a pop from this thread's cache of this allocator, in the bin's stream, or its
+// cached large block, with no trace. Anything else (no cache yet, an empty bin, another stream, a
+// block that does not fit) takes allocate_general, which checks it all again.
+void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
+  impl& m = *p_;
+  const std::size_t al = alignment ? alignment : m.default_alignment;
+  if (m.tc_enabled && !m.trace && al <= 256 && (al & (al - 1)) == 0 && tl_cache_owner == m.id &&
+      m.capturing.load(std::memory_order_acquire) == 0) {
+    if (const int cls = m.small_class(bytes); cls >= 0) {
+      tcache& c = *tl_cache;
+      auto& b = c.bins[cls];
+      if (b.n.get() && b.stream == s) return pop_slot(c, b, bytes);
+    } else if (m.large_cache && bytes != 0) {
+      return allocate_large_cached(m, bytes, al, s);  // its cached block first
+    }
+  }
+  return allocate_general(m, bytes, alignment, s);
+}
+
+void* allocator::allocate(std::size_t bytes, std::size_t alignment, stream_t s) {
+  void* p = try_allocate(bytes, alignment, s);
+  if (!p) throw_last_error("vmm::allocator");
+  return p;
+}
+
+// The fast path: the slot this thread popped last, freed on its stream into a bin with room, with
+// no trace. Anything else takes deallocate_general, which checks it all again (this thread's large
+// block first; a lost claim there finds the slot no longer the user's and reports it).
+status allocator::try_deallocate(void* p, stream_t s) noexcept {
+  impl& m = *p_;
+  const auto u = reinterpret_cast<std::uintptr_t>(p);
+  if (u && m.tc_enabled && !m.trace && tl_cache_owner == m.id) {
+    tcache& c = *tl_cache;
+    const tcache::entry* last = c.last;
+    if (last && last->p == u && last->r.stream == s && last->r.current()) {
+      const heap::slot_ref& r = last->r;
+      auto& b = c.bins[r.cls];
+      const std::uint64_t n = b.n.get();
+      std::uint16_t expect = r.word(1);
+      if (n < m.tc_cap && (n == 0 || b.stream == s) && &b.e[n] == last &&
+          r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel)) {
+        push_slot(c, b, u, r, r.req->load(std::memory_order_relaxed), s);
+        return {};
+      }
+    }
+  }
+  return deallocate_general(m, p, s);
+}
+
 
 void allocator::deallocate(void* p, stream_t s) {
   status st = try_deallocate(p, s);

@@ -142,7 +142,9 @@ void allocator::impl::wait_streams(std::unique_lock<std::mutex>& lk, std::vector
 }
 
 namespace {
-// The thread cache's two moves, shared by the fast paths and the general ones.
+// The thread cache's moves, shared by the fast paths and the general ones: a slot popped or
+// pushed, the large block taken or kept.
+
 // Hands out the top slot of a bin that holds one: the slot becomes the user's.
 void* pop_slot(tcache& c, tcache::bin& b, std::size_t bytes) {
   const std::uint64_t n = b.n.get();

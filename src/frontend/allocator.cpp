@@ -192,6 +192,15 @@ bool keep_large(tcache& c, std::uintptr_t u, stream_t s, trace_writer* trace) {
   return true;
 }
 
+// Claims a slot the user frees for this thread's bin b (state 1 -> 2), if b holds no other
+// stream's slots. Atomic: two racing frees cannot both win, and the tag in the word fails a claim
+// on a slab that was set up again since the reference was read.
+bool claim_slot(const tcache::bin& b, const heap::slot_ref& r, stream_t s) {
+  std::uint16_t expect = r.word(1);
+  return (b.n.get() == 0 || b.stream == s) &&
+         r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel);
+}
+
 // Puts a slot this thread claimed (state 2) on top of its bin, which has room.
 void push_slot(tcache& c, tcache::bin& b, std::uintptr_t u, const heap::slot_ref& r, std::uint32_t req,
                stream_t s) {
@@ -301,13 +310,10 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
   return reinterpret_cast<void*>(r.value);
 }
 
+// alignment: resolved by try_allocate (never 0).
 [[gnu::noinline]] void* allocate_general(allocator_impl& m, std::size_t bytes, std::size_t alignment,
                                          stream_t s) noexcept {
-  if (alignment == 0) alignment = m.ar->opts().alignment;
-  // Thread caches hold slots of the own heap: while a graph pool is begun, allocations take the
-  // locked path, which decides between the pool and the own heap.
-  if (m.tc_enabled && alignment <= 256 && (alignment & (alignment - 1)) == 0 &&
-      m.capturing.load(std::memory_order_acquire) == 0) {
+  if (m.cache_serves(alignment)) {
     int cls = m.small_class(bytes);
     if (cls >= 0) {
       tcache& c = m.my_cache();
@@ -391,11 +397,7 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
     const heap::slot_ref& r = *rp;
     tcache& c = m.my_cache();
     auto& b = c.bins[r.cls];
-    // Claim the slot atomically: two racing frees cannot both win, and the tag in the word fails
-    // a claim on a slab that was set up again since small_slot() read it.
-    std::uint16_t expect = r.word(1);
-    if ((b.n.get() == 0 || b.stream == s) &&
-        r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel)) {  // the fast path
+    if (claim_slot(b, r, s)) {
       if (b.n.get() == m.tc_cap) {  // half the bin back (chunks it frees go back after the lock)
         std::unique_lock g(m.mu);
         (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(c, false); });
@@ -433,15 +435,14 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
 // block that does not fit) takes allocate_general, which checks it all again.
 void* allocator::try_allocate(std::size_t bytes, std::size_t alignment, stream_t s) noexcept {
   impl& m = *p_;
-  const std::size_t al = alignment ? alignment : m.default_alignment;
-  if (m.tc_enabled && !m.trace && al <= 256 && (al & (al - 1)) == 0 && tl_cache_owner == m.id &&
-      m.capturing.load(std::memory_order_acquire) == 0) {
+  if (alignment == 0) alignment = m.default_alignment;
+  if (!m.trace && tl_cache_owner == m.id && m.cache_serves(alignment)) {
     if (const int cls = m.small_class(bytes); cls >= 0) {
       tcache& c = *tl_cache;
       auto& b = c.bins[cls];
       if (b.n.get() && b.stream == s) return pop_slot(c, b, bytes);
     } else if (m.large_cache && bytes != 0) {
-      return allocate_large_cached(m, bytes, al, s);  // its cached block first
+      return allocate_large_cached(m, bytes, alignment, s);  // its cached block first
     }
   }
   return allocate_general(m, bytes, alignment, s);
@@ -466,9 +467,7 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
       const heap::slot_ref& r = last->r;
       auto& b = c.bins[r.cls];
       const std::uint64_t n = b.n.get();
-      std::uint16_t expect = r.word(1);
-      if (n < m.tc_cap && (n == 0 || b.stream == s) && &b.e[n] == last &&
-          r.state->compare_exchange_strong(expect, r.word(2), std::memory_order_acq_rel)) {
+      if (n < m.tc_cap && &b.e[n] == last && claim_slot(b, r, s)) {
         push_slot(c, b, u, r, r.req->load(std::memory_order_relaxed), s);
         return {};
       }
@@ -476,7 +475,6 @@ status allocator::try_deallocate(void* p, stream_t s) noexcept {
   }
   return deallocate_general(m, p, s);
 }
-
 
 void allocator::deallocate(void* p, stream_t s) {
   status st = try_deallocate(p, s);

@@ -56,6 +56,13 @@ struct allocator::impl {
   std::size_t small_limit = 0;
   std::vector<std::uint8_t> unit_class;
   int small_class(std::size_t n) const { return n - 1 < small_limit ? unit_class[(n + 255) >> 8] : -1; }
+  // Whether a request of this alignment (0 resolved to the default) may use the thread caches.
+  // Their slots are the own heap's: while a graph pool is begun, allocations take the locked
+  // path, which decides between the pool and the own heap.
+  bool cache_serves(std::size_t alignment) const {
+    return tc_enabled && alignment <= 256 && (alignment & (alignment - 1)) == 0 &&
+           capturing.load(std::memory_order_acquire) == 0;
+  }
   // registry (under registry_mu): live caches, and the counters of caches whose thread ended
   std::vector<std::shared_ptr<tcache>> caches;
   std::uint64_t retired_req = 0, retired_allocs = 0, retired_frees = 0, retired_refilled = 0,

@@ -21,28 +21,12 @@ import ctypes
 
 from . import _dlpack
 from ._lib import BufferInfo, BufferOptions, InvalidValueError, Status, backend_value, check, int_array, load, struct_dict
+from ._owner import Owner, _Handle
 
 __all__ = ["GrowableBuffer"]
 
 
-class _Handle(object):
-    """Owns the vmm_buffer*: destroyed when the buffer and every view of it are gone."""
-
-    __slots__ = ("ptr", "destroy", "__weakref__")
-
-    def __init__(self, ptr, destroy):
-        self.ptr, self.destroy = ptr, destroy
-
-    def free(self):
-        if self.ptr:
-            p, self.ptr = self.ptr, None
-            self.destroy(p)
-
-    def __del__(self):
-        self.free()
-
-
-class GrowableBuffer(object):
+class GrowableBuffer(Owner):
     """A growable buffer: capacity_limit bytes of VA reserved once, memory mapped as it grows.
 
     backend: "cuda" (device `device`) or "host" (memfd + mmap with the driver's rules: no GPU).
@@ -53,6 +37,8 @@ class GrowableBuffer(object):
     peers: devices granted read-write access too. host_granularity / host_physical_limit: the host
     backend's simulated page size and device memory.
     Raises OutOfMemoryError, InvalidValueError or Error with the C++ message."""
+
+    _gone = "the buffer was destroyed"
 
     def __init__(self, capacity_limit, backend="cuda", device=0, min_chunk=0, geometric=False, peers=(),
                  host_granularity=0, host_physical_limit=0, keep_idle=0):
@@ -91,34 +77,7 @@ class GrowableBuffer(object):
     def destroy(self):
         """Unmaps and releases everything now and frees the reservation. Views become dangling."""
         self._base = None
-        if self._h is not None:
-            self._h.free()
-            self._h = None
-
-    def __enter__(self):
-        return self
-
-    # One reservation has one owner: a copy would free it twice.
-    def __copy__(self):
-        raise TypeError("vmmalloc.%s cannot be copied: it owns its reservation" % type(self).__name__)
-
-    def __deepcopy__(self, memo):
-        raise TypeError("vmmalloc.%s cannot be copied: it owns its reservation" % type(self).__name__)
-
-    def __reduce__(self):
-        raise TypeError("vmmalloc.%s cannot be pickled: it owns its reservation" % type(self).__name__)
-
-    def __exit__(self, *exc):
-        self.destroy()
-
-    @property
-    def closed(self):
-        return self._h is None or not self._h.ptr
-
-    def _ptr(self, what):
-        if self._h is None or not self._h.ptr:
-            raise InvalidValueError("vmmalloc.GrowableBuffer.%s: the buffer was destroyed" % what, Status.INVALID_VALUE)
-        return self._h.ptr
+        self._free_handle()
 
     # ---- size ------------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ import ctypes
 from . import _dlpack
 from ._lib import (KV_KEEP_DEFAULT, InvalidValueError, KVConfig, KVLayout, KVSeqInfo, KVStats, Status,
                    backend_value, check, int_array, load, struct_dict)
-from .buffer import _Handle, _size
+from ._owner import Owner, _Handle
+from .buffer import _size
 
 __all__ = ["KVCache"]
 
@@ -32,7 +33,7 @@ def _invalid(msg):
     return InvalidValueError(msg, Status.INVALID_VALUE)
 
 
-class KVCache(object):
+class KVCache(Owner):
     """A KV cache of `layers` x (K, V) buffers of `max_seqs` rows of `max_tokens` tokens.
 
     dtype: a torch dtype (sets elem_bytes and the default dtype of views), or elem_bytes alone.
@@ -43,6 +44,8 @@ class KVCache(object):
     pool_keep_pages: what trim() keeps. peers: devices granted read-write access too.
     fused_kv: one buffer per layer (no V: the caller lays K and V out in each token, kv_heads
     counting both), so a sequence rounds up half as many buffers to a page."""
+
+    _gone = "the cache was destroyed"
 
     def __init__(self, layers, kv_heads, head_dim, max_seqs, max_tokens, elem_bytes=None, dtype=None,
                  backend="cuda", device=0, page_size=0, map_ahead_pages=0, map_ahead_tokens=0, pool_keep_pages=0,
@@ -99,34 +102,7 @@ class KVCache(object):
         """Unmaps and releases every page and frees the reservation now. Views become dangling."""
         self._bytes = None
         self._flat = {}
-        if self._h is not None:
-            self._h.free()
-            self._h = None
-
-    def __enter__(self):
-        return self
-
-    # One reservation has one owner: a copy would free it twice.
-    def __copy__(self):
-        raise TypeError("vmmalloc.%s cannot be copied: it owns its reservation" % type(self).__name__)
-
-    def __deepcopy__(self, memo):
-        raise TypeError("vmmalloc.%s cannot be copied: it owns its reservation" % type(self).__name__)
-
-    def __reduce__(self):
-        raise TypeError("vmmalloc.%s cannot be pickled: it owns its reservation" % type(self).__name__)
-
-    def __exit__(self, *exc):
-        self.destroy()
-
-    @property
-    def closed(self):
-        return self._h is None or not self._h.ptr
-
-    def _ptr(self, what):
-        if self._h is None or not self._h.ptr:
-            raise _invalid("vmmalloc.KVCache.%s: the cache was destroyed" % what)
-        return self._h.ptr
+        self._free_handle()
 
     # ---- sequences -------------------------------------------------------------------------
 

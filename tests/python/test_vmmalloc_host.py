@@ -184,7 +184,7 @@ class Buffer(unittest.TestCase):
         self.assertTrue(b.closed)
         with self.assertRaises(InvalidValueError) as cm:
             b.resize(1)
-        self.assertIn("destroyed", str(cm.exception))
+        self.assertIn("vmmalloc.GrowableBuffer.resize: the buffer was destroyed", str(cm.exception))
         b.destroy()  # twice: no-op
         self.assertEqual(repr(b), "GrowableBuffer(destroyed)")
 
@@ -486,7 +486,9 @@ class KV(unittest.TestCase):
         self.assertTrue(kv.closed)
         with self.assertRaises(InvalidValueError) as cm:
             kv.open()
-        self.assertIn("destroyed", str(cm.exception))
+        self.assertIn("vmmalloc.KVCache.open: the cache was destroyed", str(cm.exception))
+        with self.assertRaises(TypeError):
+            copy.copy(kv)
 
 
 class Loader(unittest.TestCase):

@@ -94,6 +94,39 @@ def main():
     expect(vt.stats(0)["peak_mapped"] == vt.stats(0)["mapped"], "reset_peaks")
     expect(vt.check() == "", "check()")
 
+    # PyTorch's own memory statistics and empty_cache: vmmalloc's, through the extension (the plain
+    # pluggable allocator refuses the statistics with an error and ignores empty_cache).
+    if vt.mode() == "extension":
+        n = 256 << 20
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        a0 = torch.cuda.memory_allocated()
+        x = torch.empty(n, dtype=torch.uint8, device="cuda")
+        a1 = torch.cuda.memory_allocated()
+        expect(a1 - a0 >= n, "torch.cuda.memory_allocated: %d -> %d for a 256 MiB tensor" % (a0, a1))
+        expect(torch.cuda.max_memory_allocated() >= a1, "max_memory_allocated %d >= %d" % (
+            torch.cuda.max_memory_allocated(), a1))
+        expect(torch.cuda.memory_reserved() >= a1, "memory_reserved %d >= allocated" % torch.cuda.memory_reserved())
+        st = torch.cuda.memory_stats()
+        expect(st.get("allocation.all.current", 0) >= 1 and st.get("requested_bytes.all.current", 0) >= n,
+               "memory_stats: %d allocations, %d requested bytes" % (
+                   st.get("allocation.all.current", 0), st.get("requested_bytes.all.current", 0)))
+        expect("allocated" in torch.cuda.memory_summary().lower(), "memory_summary() prints")
+        del x
+        a2 = torch.cuda.memory_allocated()
+        expect(a2 < a0 + n, "memory_allocated after del: %d" % a2)
+        r0 = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        r1 = torch.cuda.memory_reserved()
+        expect(r1 <= r0 - n, "empty_cache gives the freed 256 MiB back: reserved %d -> %d" % (r0, r1))
+        torch.cuda.reset_peak_memory_stats()
+        expect(torch.cuda.max_memory_allocated() < a0 + n, "reset_peak_memory_stats: peak %d" %
+               torch.cuda.max_memory_allocated())
+    else:
+        print("skip  PyTorch memory statistics: mode %r" % vt.mode())
+
     # Peers: memory of device 1 read by device 0's copy engine needs the access vmmalloc grants.
     n = torch.cuda.device_count()
     if n >= 2:

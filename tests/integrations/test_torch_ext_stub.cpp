@@ -65,6 +65,7 @@ TEST_CASE("install: once, a pluggable allocator with every hook, MemPool support
   CHECK(a.end_allocate_to_pool_fn_);
   CHECK(a.relase_pool_fn_);
   CHECK(a.record_stream_fn_);
+  CHECK(a.reset_fn_);
   CHECK(vmm_torch_ext_features() == 3);  // hooks + MemPool objects
   CHECK(vmm_torch_ext_install(VMM_TORCH_LIB_PATH) == 0);  // a second call does nothing
   CHECK(vmm_torch_ext_pool_count() == 0);  // the install's probe left nothing behind
@@ -193,4 +194,59 @@ TEST_CASE("a failing begin throws PyTorch's error type with vmmalloc's reason an
   CHECK_THROWS_WITH_AS(a.begin_allocate_to_pool_fn_(-1, mempool_id{5, 0}, nullptr),
                        doctest::Contains("beginAllocateToPool"), c10::Error);
   CHECK(vmm_torch_ext_pool_count() == 0);
+}
+
+TEST_CASE("PyTorch's memory statistics and empty_cache come from vmmalloc") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  cca::CUDAAllocator& b = base();  // torch.cuda.memory_stats & co. call through the base class
+  const cudaStream_t s = S(0x60);
+  a.free_fn_(a.alloc_fn_(1 << 20, 0, s), 1 << 20, 0, s);  // device 0 has an allocator
+  b.emptyCache();
+  b.resetAccumulatedStats(0);
+  b.resetPeakStats(0);
+  const auto s0 = b.getDeviceStats(0);
+  CHECK(s0.allocation[0].allocated == 0);
+  CHECK(s0.allocation[0].freed == 0);
+  CHECK(s0.num_device_alloc == 0);
+  CHECK(s0.allocated_bytes[0].peak >= s0.allocated_bytes[0].current);
+
+  const std::int64_t n = std::int64_t{64} << 20;
+  void* p = a.alloc_fn_(n, 0, s);
+  REQUIRE(p != nullptr);
+  const auto s1 = b.getDeviceStats(0);
+  CHECK(s1.allocated_bytes[0].current >= s0.allocated_bytes[0].current + n);
+  CHECK(s1.active_bytes[0].current == s1.allocated_bytes[0].current);
+  CHECK(s1.requested_bytes[0].current >= s0.requested_bytes[0].current + n);
+  CHECK(s1.allocated_bytes[0].peak >= s1.allocated_bytes[0].current);
+  CHECK(s1.reserved_bytes[0].current >= s1.allocated_bytes[0].current);
+  CHECK(s1.allocation[0].current == s0.allocation[0].current + 1);
+  CHECK(s1.allocation[0].allocated == 1);
+  CHECK(s1.segment[0].current >= 1);
+  CHECK(s1.num_device_alloc >= 1);  // the 64 MiB came from a new chunk
+  CHECK(s1.allocated_bytes[1].current == 0);  // no small or large pools in PyTorch's sense
+
+  a.free_fn_(p, n, 0, s);
+  const auto s2 = b.getDeviceStats(0);
+  CHECK(s2.allocation[0].freed == 1);
+  CHECK(s2.allocation[0].current == s0.allocation[0].current);
+  CHECK(s2.allocated_bytes[0].current < s0.allocated_bytes[0].current + n);
+  CHECK(s2.allocated_bytes[0].peak >= s0.allocated_bytes[0].current + n);  // the peak stays
+
+  // torch.cuda.empty_cache: the freed chunk goes back to the device (the thread's cache too).
+  b.emptyCache();
+  const auto s3 = b.getDeviceStats(0);
+  CHECK(s3.reserved_bytes[0].current + n <= s1.reserved_bytes[0].current);
+  CHECK(s3.num_device_free >= 1);
+  // torch.cuda.reset_peak_memory_stats. Before empty_cache the peak would still count the block
+  // this thread's cache kept (an upper bound, as vmmalloc's peak_allocated).
+  b.resetPeakStats(0);
+  CHECK(b.getDeviceStats(0).allocated_bytes[0].peak < s0.allocated_bytes[0].current + n);
+  CHECK(b.getDeviceStats(0).reserved_bytes[0].peak == s3.reserved_bytes[0].current);
+
+  // A device with no allocator: zeros, as PyTorch reports for a device it never used.
+  const auto none = b.getDeviceStats(5);
+  CHECK(none.allocated_bytes[0].current == 0);
+  CHECK(none.reserved_bytes[0].peak == 0);
+  CHECK_NOTHROW(b.resetPeakStats(5));
+  CHECK_NOTHROW(b.resetAccumulatedStats(5));
 }

@@ -7,6 +7,12 @@
 //       its own until PyTorch releases the pool, so replays find their addresses as they were.
 //   set_record_stream_fn
 //       Tensor.record_stream: the block's reuse waits for that stream's work.
+//   set_reset_fn, getDeviceStats, resetPeakStats, resetAccumulatedStats
+//       torch.cuda.empty_cache (vmmalloc's trim) and PyTorch's memory statistics
+//       (torch.cuda.memory_allocated, max_memory_allocated, memory_reserved, memory_stats,
+//       reset_peak_memory_stats), which the base class refuses with an error: programs and
+//       libraries that print or budget memory through them (torch.compile's autotuning among
+//       them) stopped there under a plain pluggable allocator.
 // Without these hooks the plain pluggable allocator (python/vmmalloc/torch.py's fallback) gives a
 // graph no private memory: blocks a capture frees are handed to other tensors while replays still
 // write them.
@@ -30,6 +36,7 @@
 #include <dlfcn.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -67,6 +74,10 @@ struct library {
   int (*record_stream)(void*, void*) = nullptr;
   int (*pool_of)(const void*, std::uint64_t*) = nullptr;
   int (*pool_stats)(int, std::uint64_t, std::uint64_t*, std::uint64_t*, std::uint64_t*) = nullptr;
+  int (*stats)(int, std::uint64_t*, int) = nullptr;
+  const char* (*stat_names)() = nullptr;
+  int (*trim)(int) = nullptr;
+  int (*reset_peaks)(int) = nullptr;
   const char* (*last_error)() = nullptr;
 };
 library lib;
@@ -91,6 +102,81 @@ int call_filter(void* stream, void* user) {
   } catch (...) {
     return 0;
   }
+}
+
+// ---- PyTorch's memory statistics from vmmalloc's ---------------------------------------------
+// One device's vmmalloc stats by name (vmm_torch_stat_names' order); every value 0 while the
+// device has no allocator.
+class stat_values {
+ public:
+  explicit stat_values(int device) : v_(index().size()) {
+    if (lib.stats(device, v_.data(), static_cast<int>(v_.size())) <= 0) std::fill(v_.begin(), v_.end(), 0);
+  }
+  std::int64_t operator[](const char* name) const {
+    auto it = index().find(name);
+    return it == index().end() ? 0 : static_cast<std::int64_t>(v_[it->second]);
+  }
+
+ private:
+  static const std::map<std::string, std::size_t>& index() {
+    static const std::map<std::string, std::size_t> m = [] {
+      std::map<std::string, std::size_t> r;
+      std::string names = lib.stat_names();
+      for (std::size_t at = 0, i = 0; at < names.size(); ++i) {
+        std::size_t end = std::min(names.find(',', at), names.size());
+        r.emplace(names.substr(at, end - at), i);
+        at = end + 1;
+      }
+      return r;
+    }();
+    return m;
+  }
+  std::vector<std::uint64_t> v_;
+};
+
+// PyTorch's cumulative counters start again at resetAccumulatedStats: what vmmalloc's counters
+// read then, per device.
+struct accumulated {
+  std::int64_t allocs = 0, frees = 0, creates = 0, releases = 0, failures = 0;
+};
+std::mutex acc_mu;
+std::map<int, accumulated> acc_base;
+
+accumulated accumulated_now(const stat_values& v) {
+  return {v["allocs"], v["frees"], v["creates"], v["releases"], v["malloc_failures"]};
+}
+
+// The "all" entries (index 0, PyTorch's StatType::AGGREGATE); vmmalloc has no small and large
+// pools in PyTorch's sense, so those entries stay 0. Counts carry no peak of their own (the
+// current value stands in). allocated_bytes is the rounded size of live blocks, as PyTorch's;
+// its peak is exact with thread caches off and an upper bound with them (blocks a cache holds
+// count as allocated). reserved_bytes is the device memory vmmalloc holds (mapped and idle).
+template <class Stats>
+Stats device_stats_of(int device) {
+  Stats s{};
+  const stat_values v(device);
+  accumulated b;
+  {
+    std::lock_guard g(acc_mu);
+    if (auto it = acc_base.find(device); it != acc_base.end()) b = it->second;
+  }
+  auto set = [](auto& st, std::int64_t current, std::int64_t peak) {
+    st.current = current;
+    st.peak = std::max(peak, current);
+  };
+  set(s.allocation[0], v["live"], v["live"]);
+  s.allocation[0].allocated = v["allocs"] - b.allocs;
+  s.allocation[0].freed = v["frees"] - b.frees;
+  s.active[0] = s.allocation[0];
+  set(s.allocated_bytes[0], v["allocated"], v["peak_allocated"]);
+  s.active_bytes[0] = s.allocated_bytes[0];
+  set(s.requested_bytes[0], v["requested"], v["peak_requested"]);
+  set(s.reserved_bytes[0], v["physical"], v["peak_physical"]);
+  set(s.segment[0], v["chunks"], v["chunks"]);
+  s.num_device_alloc = v["creates"] - b.creates;
+  s.num_device_free = v["releases"] - b.releases;
+  s.num_ooms = v["malloc_failures"] - b.failures;
+  return s;
 }
 
 // ---- the pool table ------------------------------------------------------------------------------
@@ -259,6 +345,16 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
   void createOrIncrefPool(c10::DeviceIndex device, mempool_id id, cca::CUDAAllocator* a) {
     incref(device, id, a);
   }
+  // The statistics PyTorch's own allocators keep (see device_stats_of); the base class refuses.
+  using device_stats = decltype(std::declval<cca::CUDAAllocator&>().getDeviceStats(c10::DeviceIndex{0}));
+  device_stats getDeviceStats(c10::DeviceIndex device) { return device_stats_of<device_stats>(device); }
+  void resetPeakStats(c10::DeviceIndex device) { (void)lib.reset_peaks(device); }  // no allocator: nothing to reset
+  void resetAccumulatedStats(c10::DeviceIndex device) {
+    const accumulated now = accumulated_now(stat_values(device));
+    std::lock_guard g(acc_mu);
+    acc_base[device] = now;
+  }
+
   int getPoolUseCount(c10::DeviceIndex device, mempool_id id) { return table().uses(device, id); }
   // vmmalloc has no last-resort pools and never splits across them: nothing to set.
   void setUseOnOOM(c10::DeviceIndex, mempool_id, bool) {}
@@ -352,6 +448,10 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
     resolve(h, "vmm_torch_record_stream", l.record_stream, missing);
     resolve(h, "vmm_torch_pool_of", l.pool_of, missing);
     resolve(h, "vmm_torch_pool_stats", l.pool_stats, missing);
+    resolve(h, "vmm_torch_stats", l.stats, missing);
+    resolve(h, "vmm_torch_stat_names", l.stat_names, missing);
+    resolve(h, "vmm_torch_trim", l.trim, missing);
+    resolve(h, "vmm_torch_reset_peaks", l.reset_peaks, missing);
     resolve(h, "vmm_torch_last_error", l.last_error, missing);
     if (!missing.empty()) {
       set_error(std::string("vmm_torch_ext_install: ") + lib_path + " lacks " + missing +
@@ -373,6 +473,8 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
     // A pointer of another allocator (a tensor PyTorch made from foreign memory) is refused by
     // the library and ignored here, as PyTorch's own allocator ignores what it does not own.
     a->set_record_stream_fn([](void* p, cudaStream_t s) { (void)lib.record_stream(p, s); });
+    // torch.cuda.empty_cache(): free chunks and idle handles of every device go back.
+    a->set_reset_fn([] { (void)lib.trim(-1); });
     a->mempool_ok = probe_mempool(*a);
     // What torch._C._cuda_customAllocator does after creating one (createCustomAllocator): init
     // marks it initialized; its device count argument is unused without an init function.

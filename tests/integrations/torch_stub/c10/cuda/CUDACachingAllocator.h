@@ -7,6 +7,7 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -35,6 +36,23 @@ struct DataPtr {
   void* p = nullptr;
   void* get() const { return p; }
 };
+namespace CachingAllocator {
+struct Stat {
+  std::int64_t current = 0, peak = 0, allocated = 0, freed = 0;
+};
+enum struct StatType : std::uint64_t { AGGREGATE = 0, SMALL_POOL = 1, LARGE_POOL = 2, NUM_TYPES = 3 };
+using StatArray = std::array<Stat, static_cast<std::size_t>(StatType::NUM_TYPES)>;
+}  // namespace CachingAllocator
+namespace CachingDeviceAllocator {
+using namespace c10::CachingAllocator;
+struct DeviceStats {
+  StatArray allocation, segment, active, inactive_split;
+  StatArray allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
+  std::int64_t num_alloc_retries = 0, num_ooms = 0;
+  Stat oversize_allocations, oversize_segments;
+  std::int64_t num_sync_all_streams = 0, num_device_alloc = 0, num_device_free = 0, max_split_size = 0;
+};
+}  // namespace CachingDeviceAllocator
 namespace cuda {
 using CaptureId_t = unsigned long long;
 using MempoolId_t = std::pair<CaptureId_t, CaptureId_t>;
@@ -50,6 +68,10 @@ struct CUDAAllocator {
   virtual ~CUDAAllocator() = default;
   virtual std::string name() = 0;
   virtual void init(int device_count) = 0;
+  virtual void emptyCache(MempoolId_t mempool_id = {0, 0}) = 0;
+  virtual c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) = 0;
+  virtual void resetAccumulatedStats(DeviceIndex device) = 0;
+  virtual void resetPeakStats(DeviceIndex device) = 0;
   virtual std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex, MempoolId_t) = 0;
   virtual CheckpointDelta setCheckpointPoolState(DeviceIndex, std::shared_ptr<AllocatorState>) = 0;
   virtual bool checkPoolLiveAllocations(DeviceIndex, MempoolId_t, const std::unordered_set<void*>&) {

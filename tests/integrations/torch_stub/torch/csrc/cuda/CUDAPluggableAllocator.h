@@ -14,6 +14,7 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
   CUDAPluggableAllocator(CUDAPluggableAllocator& other) = delete;
   CUDAPluggableAllocator(CUDAPluggableAllocator&& other) = delete;
 
+  void set_reset_fn(std::function<void()> f) { reset_fn_ = std::move(f); }
   void set_record_stream_fn(std::function<void(void* ptr, cudaStream_t stream)> f) { record_stream_fn_ = std::move(f); }
   void set_begin_allocate_to_pool(
       std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> f) {
@@ -26,6 +27,19 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
 
   std::string name() override { return "pluggable"; }
   void init(int) override { initialized_ = true; }
+  // As PyTorch's: emptyCache calls the reset function; the statistics are refused.
+  void emptyCache(c10::cuda::MempoolId_t = {0, 0}) override {
+    if (reset_fn_) reset_fn_();
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support getDeviceStats");
+  }
+  void resetAccumulatedStats(c10::DeviceIndex) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support resetAccumulatedStats");
+  }
+  void resetPeakStats(c10::DeviceIndex) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support resetPeakStats");
+  }
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
       c10::DeviceIndex, c10::cuda::MempoolId_t) override {
     throw c10::Error("CUDAPluggableAllocator does not yet support getCheckpointState");
@@ -37,6 +51,7 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
 
   std::function<void*(size_t, int, cudaStream_t)> alloc_fn_;
   std::function<void(void*, size_t, int, cudaStream_t)> free_fn_;
+  std::function<void()> reset_fn_;
   std::function<void(void* ptr, cudaStream_t stream)> record_stream_fn_;
   std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> begin_allocate_to_pool_fn_;
   std::function<void(int, c10::cuda::MempoolId_t)> end_allocate_to_pool_fn_;

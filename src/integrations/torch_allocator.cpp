@@ -39,6 +39,7 @@ struct device_slot {
   std::atomic<std::uint64_t> malloc_failures{0}, free_failures{0};
   std::string config;                // written once under create_mu before `ready` is published
   std::size_t peers = 0;
+  vmm::backend_iface* backend = nullptr;  // a's backend (lives as long as a): device memory info
 };
 
 std::array<device_slot, kMaxDevices> slots;
@@ -222,6 +223,7 @@ void create(int d) {
   }
 
   // Throws vmm::error when the arena cannot open; owned here until published, never freed after.
+  vmm::backend_iface* be_ptr = b.get();
   auto a = std::make_unique<vmm::allocator>(std::move(b), o);
   std::string config = describe(*a, be.c_str());
   if (!o.trace_path.empty()) {
@@ -229,6 +231,7 @@ void create(int d) {
     std::call_once(registered, [] { std::atexit([] { vmm_torch_flush_trace(); }); });
   }
   s.peers = o.peers.size();
+  s.backend = be_ptr;
   s.config = std::move(config);
   s.a = a.release();
   s.ready.store(s.a, std::memory_order_release);
@@ -419,6 +422,27 @@ int vmm_torch_stats(int device, uint64_t* out, int n) try {
     return -1;
   }
 } catch (...) {
+  return -1;
+}
+
+int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) try {
+  if (!free_bytes || !total_bytes) {
+    set_error("vmmalloc_torch: mem_info: free_bytes and total_bytes must not be NULL");
+    return -1;
+  }
+  if (!existing(device)) {
+    set_error("vmmalloc_torch: mem_info: device " + std::to_string(device) + " has no allocator");
+    return -1;
+  }
+  const auto m = slots[device].backend->mem_info();
+  if (!m.ok()) {
+    set_error("vmmalloc_torch: mem_info on device " + std::to_string(device) + ": " + m.st.message());
+    return -1;
+  }
+  *free_bytes = m.value.free;
+  *total_bytes = m.value.total;
+  return 0;
+} catch (...) {  // no memory for a message
   return -1;
 }
 

@@ -65,6 +65,10 @@ int vmm_torch_initialized(int device);
 int vmm_torch_stats(int device, uint64_t* out, int n);
 const char* vmm_torch_stat_names(void);
 
+/* The device's free and total memory as the driver reports them (cuMemGetInfo; the host
+ * backend's simulated limit). 0, or -1 + last error (no allocator on `device` yet, NULL). */
+int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes);
+
 /* device -1 = every device that has an allocator. 0, or -1 + last error. */
 int vmm_torch_trim(int device);
 int vmm_torch_reset_peaks(int device);

@@ -124,6 +124,24 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         expect(torch.cuda.max_memory_allocated() < a0 + n, "reset_peak_memory_stats: peak %d" %
                torch.cuda.max_memory_allocated())
+
+        # cuDNN's benchmark mode asks the allocator for its largest free block before it searches
+        # algorithms (cacheInfo); the plain pluggable allocator refuses, failing every convolution.
+        torch.backends.cudnn.benchmark = True
+        try:
+            conv = torch.nn.Conv2d(16, 32, 3, padding=1).cuda()
+            xin = torch.randn(8, 16, 64, 64, device="cuda", requires_grad=True)
+            y = conv(xin)
+            y.sum().backward()
+            ref = torch.nn.functional.conv2d(xin.detach().double(), conv.weight.detach().double(),
+                                             conv.bias.detach().double(), padding=1)
+            expect(torch.allclose(y.detach().double(), ref, rtol=1e-2, atol=1e-2) and
+                   xin.grad is not None and torch.isfinite(xin.grad).all().item(),
+                   "cudnn.benchmark: a convolution's forward and backward run and match float64")
+        except RuntimeError as ex:
+            expect(False, "cudnn.benchmark convolution raised: %s" % str(ex)[:300])
+        finally:
+            torch.backends.cudnn.benchmark = False
     else:
         print("skip  PyTorch memory statistics: mode %r" % vt.mode())
 

@@ -243,10 +243,23 @@ TEST_CASE("PyTorch's memory statistics and empty_cache come from vmmalloc") {
   CHECK(b.getDeviceStats(0).allocated_bytes[0].peak < s0.allocated_bytes[0].current + n);
   CHECK(b.getDeviceStats(0).reserved_bytes[0].peak == s3.reserved_bytes[0].current);
 
+  // cuDNN's benchmark mode: the largest block = the device's free memory + what vmmalloc holds
+  // free (the freed 64 MiB went back with empty_cache: it counts as the device's now).
+  std::uint64_t dev_free = 0, dev_total = 0;
+  REQUIRE(vmm_torch_mem_info(0, &dev_free, &dev_total) == 0);
+  std::size_t largest = 0;
+  b.cacheInfo(0, &largest);
+  CHECK(largest >= dev_free);
+  CHECK(dev_free >= static_cast<std::uint64_t>(n));
+  CHECK(dev_free <= dev_total);
+
   // A device with no allocator: zeros, as PyTorch reports for a device it never used.
   const auto none = b.getDeviceStats(5);
   CHECK(none.allocated_bytes[0].current == 0);
   CHECK(none.reserved_bytes[0].peak == 0);
   CHECK_NOTHROW(b.resetPeakStats(5));
   CHECK_NOTHROW(b.resetAccumulatedStats(5));
+  std::size_t none_largest = 1;
+  b.cacheInfo(5, &none_largest);
+  CHECK(none_largest == 0);
 }

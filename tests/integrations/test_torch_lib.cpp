@@ -269,3 +269,23 @@ TEST_CASE("record_stream finds the device from the pointer and refuses what is n
   CHECK(stat(d, "free_failures") == 0);
   CHECK(vmm_torch_check(d) == 0);
 }
+
+TEST_CASE("mem_info: the device's free and total memory; errors for a device without an allocator") {
+  const int d = 0;
+  std::uint64_t free0 = 0, total = 0, free1 = 0, total1 = 0;
+  CHECK(vmm_torch_mem_info(d, &free0, &total) == -1);  // nothing allocated on device 0 yet
+  CHECK(std::string(vmm_torch_last_error()).find("has no allocator") != std::string::npos);
+  void* p = vmm_torch_malloc(64 << 20, d, nullptr);
+  REQUIRE(p != nullptr);
+  REQUIRE(vmm_torch_mem_info(d, &free0, &total) == 0);
+  CHECK(total > 0);
+  CHECK(free0 < total);  // the 64 MiB chunk is the device's memory in use
+  vmm_torch_free(p, 64 << 20, d, nullptr);
+  REQUIRE(vmm_torch_trim(d) == 0);
+  REQUIRE(vmm_torch_mem_info(d, &free1, &total1) == 0);
+  CHECK(total1 == total);
+  CHECK(free1 >= free0 + (64u << 20));  // trim gave the chunk back
+  CHECK(vmm_torch_mem_info(d, nullptr, &total) == -1);
+  CHECK(vmm_torch_mem_info(-1, &free0, &total) == -1);
+  CHECK(vmm_torch_mem_info(1000, &free0, &total) == -1);
+}

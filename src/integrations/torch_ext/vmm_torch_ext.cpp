@@ -7,6 +7,10 @@
 //       its own until PyTorch releases the pool, so replays find their addresses as they were.
 //   set_record_stream_fn
 //       Tensor.record_stream: the block's reuse waits for that stream's work.
+//   cacheInfo
+//       cuDNN's benchmark mode (torch.backends.cudnn.benchmark) asks it for the largest block
+//       the allocator can hand out before it searches algorithms; the base class refuses, so
+//       every convolution there failed.
 //   set_reset_fn, getDeviceStats, resetPeakStats, resetAccumulatedStats
 //       torch.cuda.empty_cache (vmmalloc's trim) and PyTorch's memory statistics
 //       (torch.cuda.memory_allocated, max_memory_allocated, memory_reserved, memory_stats,
@@ -77,6 +81,7 @@ struct library {
   int (*stats)(int, std::uint64_t*, int) = nullptr;
   const char* (*stat_names)() = nullptr;
   int (*trim)(int) = nullptr;
+  int (*mem_info)(int, std::uint64_t*, std::uint64_t*) = nullptr;
   int (*reset_peaks)(int) = nullptr;
   const char* (*last_error)() = nullptr;
 };
@@ -349,6 +354,17 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
   using device_stats = decltype(std::declval<cca::CUDAAllocator&>().getDeviceStats(c10::DeviceIndex{0}));
   device_stats getDeviceStats(c10::DeviceIndex device) { return device_stats_of<device_stats>(device); }
   void resetPeakStats(c10::DeviceIndex device) { (void)lib.reset_peaks(device); }  // no allocator: nothing to reset
+
+  // The largest block vmmalloc can hand out now, as a bound for cuDNN's workspace search: the
+  // device's free memory plus the free chunks and idle handles vmmalloc holds. A guess, as
+  // cudaMallocAsync's is: a workspace that then fails to allocate makes PyTorch search again.
+  void cacheInfo(c10::DeviceIndex device, size_t* largest_block) {
+    if (!largest_block) return;
+    std::uint64_t free = 0, total = 0;
+    if (lib.mem_info(device, &free, &total) != 0) free = 0;
+    const stat_values v(device);
+    *largest_block = static_cast<size_t>(free + v["free_chunk_bytes"] + v["idle"]);
+  }
   void resetAccumulatedStats(c10::DeviceIndex device) {
     const accumulated now = accumulated_now(stat_values(device));
     std::lock_guard g(acc_mu);
@@ -451,6 +467,7 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
     resolve(h, "vmm_torch_stats", l.stats, missing);
     resolve(h, "vmm_torch_stat_names", l.stat_names, missing);
     resolve(h, "vmm_torch_trim", l.trim, missing);
+    resolve(h, "vmm_torch_mem_info", l.mem_info, missing);
     resolve(h, "vmm_torch_reset_peaks", l.reset_peaks, missing);
     resolve(h, "vmm_torch_last_error", l.last_error, missing);
     if (!missing.empty()) {

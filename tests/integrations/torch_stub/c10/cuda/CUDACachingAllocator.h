@@ -72,6 +72,7 @@ struct CUDAAllocator {
   virtual c10::CachingDeviceAllocator::DeviceStats getDeviceStats(DeviceIndex device) = 0;
   virtual void resetAccumulatedStats(DeviceIndex device) = 0;
   virtual void resetPeakStats(DeviceIndex device) = 0;
+  virtual void cacheInfo(DeviceIndex device, size_t* largestBlock) = 0;
   virtual std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex, MempoolId_t) = 0;
   virtual CheckpointDelta setCheckpointPoolState(DeviceIndex, std::shared_ptr<AllocatorState>) = 0;
   virtual bool checkPoolLiveAllocations(DeviceIndex, MempoolId_t, const std::unordered_set<void*>&) {

@@ -37,6 +37,9 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
   void resetAccumulatedStats(c10::DeviceIndex) override {
     throw c10::Error("CUDAPluggableAllocator does not yet support resetAccumulatedStats");
   }
+  void cacheInfo(c10::DeviceIndex, size_t*) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support cacheInfo");
+  }
   void resetPeakStats(c10::DeviceIndex) override {
     throw c10::Error("CUDAPluggableAllocator does not yet support resetPeakStats");
   }

@@ -425,25 +425,18 @@ int vmm_torch_stats(int device, uint64_t* out, int n) try {
   return -1;
 }
 
-int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) try {
+int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) {
   if (!free_bytes || !total_bytes) {
     set_error("vmmalloc_torch: mem_info: free_bytes and total_bytes must not be NULL");
     return -1;
   }
-  if (!existing(device)) {
-    set_error("vmmalloc_torch: mem_info: device " + std::to_string(device) + " has no allocator");
-    return -1;
-  }
-  const auto m = slots[device].backend->mem_info();
-  if (!m.ok()) {
-    set_error("vmmalloc_torch: mem_info on device " + std::to_string(device) + ": " + m.st.message());
-    return -1;
-  }
-  *free_bytes = m.value.free;
-  *total_bytes = m.value.total;
-  return 0;
-} catch (...) {  // no memory for a message
-  return -1;
+  // One device: a negative one is out of range here, not "every device".
+  return for_devices(device < 0 ? kMaxDevices : device, "mem_info", [&](vmm::allocator&) {
+    const auto m = slots[device].backend->mem_info();
+    if (!m.ok()) throw vmm::error(m.st, "cuMemGetInfo");
+    *free_bytes = m.value.free;
+    *total_bytes = m.value.total;
+  });
 }
 
 int vmm_torch_trim(int device) {

@@ -114,8 +114,9 @@ int call_filter(void* stream, void* user) {
 // device has no allocator.
 class stat_values {
  public:
+  // vmm_torch_stats writes nothing when the device has no allocator: the zeros stay.
   explicit stat_values(int device) : v_(index().size()) {
-    if (lib.stats(device, v_.data(), static_cast<int>(v_.size())) <= 0) std::fill(v_.begin(), v_.end(), 0);
+    (void)lib.stats(device, v_.data(), static_cast<int>(v_.size()));
   }
   std::int64_t operator[](const char* name) const {
     auto it = index().find(name);
@@ -160,6 +161,7 @@ template <class Stats>
 Stats device_stats_of(int device) {
   Stats s{};
   const stat_values v(device);
+  const accumulated now = accumulated_now(v);
   accumulated b;
   {
     std::lock_guard g(acc_mu);
@@ -170,17 +172,17 @@ Stats device_stats_of(int device) {
     st.peak = std::max(peak, current);
   };
   set(s.allocation[0], v["live"], v["live"]);
-  s.allocation[0].allocated = v["allocs"] - b.allocs;
-  s.allocation[0].freed = v["frees"] - b.frees;
+  s.allocation[0].allocated = now.allocs - b.allocs;
+  s.allocation[0].freed = now.frees - b.frees;
   s.active[0] = s.allocation[0];
   set(s.allocated_bytes[0], v["allocated"], v["peak_allocated"]);
   s.active_bytes[0] = s.allocated_bytes[0];
   set(s.requested_bytes[0], v["requested"], v["peak_requested"]);
   set(s.reserved_bytes[0], v["physical"], v["peak_physical"]);
   set(s.segment[0], v["chunks"], v["chunks"]);
-  s.num_device_alloc = v["creates"] - b.creates;
-  s.num_device_free = v["releases"] - b.releases;
-  s.num_ooms = v["malloc_failures"] - b.failures;
+  s.num_device_alloc = now.creates - b.creates;
+  s.num_device_free = now.releases - b.releases;
+  s.num_ooms = now.failures - b.failures;
   return s;
 }
 

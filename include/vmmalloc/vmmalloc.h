@@ -108,6 +108,10 @@ vmm_status vmm_trim(vmm_allocator* a, size_t keep);
 vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out);
 vmm_status vmm_check(vmm_allocator* a); /* VMM_SUCCESS when every invariant holds */
 vmm_status vmm_reset_peaks(vmm_allocator* a);
+/* The cap on physical bytes at run time, as vmm_policy.memory_limit (0 = no limit beyond the
+ * device's). Lowered below what is held, free and idle memory is released until it fits. */
+vmm_status vmm_set_memory_limit(vmm_allocator* a, size_t bytes);
+vmm_status vmm_get_memory_limit(vmm_allocator* a, size_t* bytes); /* 0 = no limit */
 /* Writes up to cap classes to out; *count gets the number of classes (call with cap 0 to size). */
 vmm_status vmm_get_class_stats(vmm_allocator* a, vmm_class_stats* out, size_t cap, size_t* count);
 /* Run-time peer access: every mapped chunk and every later one, one driver call per mapped run. */

@@ -116,6 +116,14 @@ class allocator {
 
   // Releases empty slabs, free chunks and idle physical memory down to `keep` bytes kept.
   void trim(std::size_t keep = 0);
+  // The cap on physical bytes (mapped + idle handles), options.memory_limit until changed here;
+  // SIZE_MAX = none. Safe from any thread. Lowered below what is held, free chunks and idle
+  // handles are released until it fits (live blocks stay; allocations needing new memory fail as
+  // out of memory until enough is freed). growable_buffer::shared over this allocator counts
+  // against it too. opts() keeps the value given at construction. The limit is set even when
+  // that release is refused, which throws vmm::error as trim() does.
+  void set_memory_limit(std::size_t bytes);
+  std::size_t memory_limit() const noexcept;
   allocator_stats stats() const;  // counters only: a lock and a copy, cheap enough to leave on
   // Per size class: slab count, slots, used slots, live bytes (walks the page map: diagnostics).
   std::vector<class_occupancy> class_stats() const;

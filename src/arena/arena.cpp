@@ -15,7 +15,7 @@ constexpr std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1
 status fail(errc k, const char* op, const char* name) { return {k, 0, name, op}; }
 }  // namespace
 
-arena::arena(std::unique_ptr<backend_iface> b, const options& o) : b_(std::move(b)), drv_(b_.get()), opt_(o) {}
+arena::arena(std::unique_ptr<backend_iface> b, const options& o) : b_(std::move(b)), drv_(b_.get()), opt_(o), limit_(o.memory_limit) {}
 
 status arena::open() {
   if (!b_) return fail(errc::invalid_value, "arena", "no backend");
@@ -244,7 +244,8 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     // threads included), the pieces taken for this range, plus what the create would add, less
     // what this growth releases before it creates.
     const std::size_t physical = held_for_limit() + taken - releasing;
-    if (want > opt_.memory_limit || physical > opt_.memory_limit - want) {
+    const std::size_t limit = memory_limit();
+    if (want > limit || physical > limit - want) {
       give_back();
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
     }
@@ -568,7 +569,8 @@ bool arena::lend_idle(std::size_t max, mem_handle& h, std::size_t& size) {
 }
 
 bool arena::take_back(mem_handle h, std::size_t size) {
-  if (size > opt_.memory_limit || held_for_limit() > opt_.memory_limit - size)
+  const std::size_t limit = memory_limit();
+  if (size > limit || held_for_limit() > limit - size)
     return false;
   idle_put(h, size);
   note_peaks();

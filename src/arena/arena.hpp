@@ -24,6 +24,7 @@
 // driver calls of a growth the front end asked to defer, made without that lock (see below).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -257,7 +258,12 @@ class arena {
   std::string check() const;
 
   vm::driver& drv() { return drv_; }
-  const options& opts() const { return opt_; }
+  const options& opts() const { return opt_; }  // as constructed
+  // The cap on physical bytes (held + growths in flight): options.memory_limit at construction,
+  // then whatever set_memory_limit() stored last. Atomic so a set from any thread needs no lock;
+  // a growth planned under the lock meanwhile checks the old or the new value.
+  std::size_t memory_limit() const { return limit_.load(std::memory_order_relaxed); }
+  void set_memory_limit(std::size_t bytes) { limit_.store(bytes, std::memory_order_relaxed); }
   const chunk_props& props() const { return pol_.props; }
   std::span<const access_desc> access() const { return pol_.access; }
   // Placement policy: every allocation owns whole chunks (an exportable policy).
@@ -303,6 +309,7 @@ class arena {
   std::unique_ptr<backend_iface> b_;
   vm::driver drv_;
   options opt_;
+  std::atomic<std::size_t> limit_;  // memory_limit()
   policy::list policies_;
   policy::state pol_;
   bool whole_chunks_ = false;

@@ -101,8 +101,8 @@ std::string allocator_impl::out_of_memory_detail() const {
   std::string d = " (live " + mib(h.allocated) + " in " + std::to_string(h.live) + " blocks; held " +
                   mib(a.physical) + ": mapped " + mib(a.mapped) + ", idle " + mib(a.idle) + ", free chunks " +
                   mib(a.free_chunk_bytes) + "; limit ";
-  d += ar->opts().memory_limit == std::numeric_limits<std::size_t>::max() ? std::string("none (the device's memory)")
-                                                                          : mib(ar->opts().memory_limit);
+  const std::size_t limit = ar->memory_limit();
+  d += limit == std::numeric_limits<std::size_t>::max() ? std::string("none (the device's memory)") : mib(limit);
   return d + ")";
 }
 
@@ -608,6 +608,17 @@ void allocator::reset_peaks() {
   p_->hp->reset_peaks();
   p_->ar->reset_peaks();
 }
+
+void allocator::set_memory_limit(std::size_t bytes) {
+  p_->ar->set_memory_limit(bytes);
+  // Held past the new limit: free chunks and idle handles go back until it fits (as far as they
+  // reach; live blocks stay). Without this a refused growth would leave them held past the limit.
+  const allocator_stats s = stats();
+  if (s.physical <= bytes) return;
+  const std::size_t over = s.physical - bytes, spare = s.free_chunk_bytes + s.idle;
+  trim(spare > over ? spare - over : 0);
+}
+std::size_t allocator::memory_limit() const noexcept { return p_->ar->memory_limit(); }
 
 std::size_t allocator::granularity() const { return p_->ar->granularity(); }
 const options& allocator::opts() const { return p_->ar->opts(); }

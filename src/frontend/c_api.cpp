@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <type_traits>
 
@@ -249,6 +250,21 @@ vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out) {
 vmm_status vmm_reset_peaks(vmm_allocator* a) {
   if (!a) return invalid("vmm_reset_peaks: allocator is NULL");
   a->a.reset_peaks();
+  return ok();
+}
+vmm_status vmm_set_memory_limit(vmm_allocator* a, size_t bytes) {
+  if (!a) return invalid("vmm_set_memory_limit: allocator is NULL");
+  try {
+    a->a.set_memory_limit(bytes ? bytes : std::numeric_limits<std::size_t>::max());
+  } catch (const vmm::error& e) {
+    return set(to_c(e.st().kind), e.what());
+  }
+  return ok();
+}
+vmm_status vmm_get_memory_limit(vmm_allocator* a, size_t* bytes) {
+  if (!a || !bytes) return invalid("vmm_get_memory_limit: NULL argument");
+  const std::size_t limit = a->a.memory_limit();
+  *bytes = limit == std::numeric_limits<std::size_t>::max() ? 0 : limit;
   return ok();
 }
 vmm_status vmm_get_class_stats(vmm_allocator* a, vmm_class_stats* out, size_t cap, size_t* count) {

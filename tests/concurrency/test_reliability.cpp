@@ -7,12 +7,14 @@
 //     without a trim()
 //   * a racing double free (with trim() beside it) is refused, never a use-after-free
 //   * class_stats() / stats() / check() while other threads allocate and free
+//   * set_memory_limit() at run time: lowered, raised and changed while other threads allocate
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <array>
 #include <atomic>
 #include <barrier>
+#include <limits>
 #include <mutex>
 #include <chrono>
 #include <random>
@@ -152,6 +154,77 @@ TEST_CASE("pressure: after every free, limit - granularity fits without trim()")
   CHECK(big != nullptr);
   if (big) a.deallocate(big);
   CHECK(a.stats().peak_physical <= limit);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("set_memory_limit: lowered below what is held, then raised; the message names the new limit") {
+  auto a = allocator::host(limited(std::numeric_limits<std::size_t>::max()));
+  CHECK(a.memory_limit() == std::numeric_limits<std::size_t>::max());
+  void* p = a.allocate(40 * MiB);
+  void* q = a.allocate(40 * MiB);
+  a.deallocate(q);  // stays mapped (free chunk): held 80 MiB, live 40 MiB
+  a.set_memory_limit(48 * MiB);  // held 80 MiB: the free chunk goes back at once
+  CHECK(a.memory_limit() == 48 * MiB);
+  CHECK(a.opts().memory_limit == std::numeric_limits<std::size_t>::max());  // as constructed
+  CHECK(a.stats().physical <= 48 * MiB);
+  CHECK(a.stats().physical >= 40 * MiB);  // the live block stays
+  CHECK(a.try_allocate(32 * MiB) == nullptr);  // 40 + 32 > 48
+  CHECK(last_error().st.kind == errc::out_of_memory);
+  CHECK(last_error().message.find("limit 48 MiB") != std::string::npos);
+  void* r = a.try_allocate(4 * MiB);  // 40 + 4 fits
+  CHECK(r != nullptr);
+  if (r) a.deallocate(r);
+  CHECK(a.stats().peak_physical <= 80 * MiB);
+  a.set_memory_limit(128 * MiB);
+  void* s = a.try_allocate(60 * MiB);
+  CHECK(s != nullptr);
+  CHECK(a.stats().physical <= 128 * MiB);
+  a.deallocate(s);
+  a.deallocate(p);
+  a.set_memory_limit(0);  // a limit of 0 bytes: every new byte refused, frees still work
+  a.trim();
+  CHECK(a.try_allocate(1 * MiB) == nullptr);
+  CHECK(a.stats().physical == 0);
+  a.set_memory_limit(std::numeric_limits<std::size_t>::max());
+  void* t = a.try_allocate(1 * MiB);
+  CHECK(t != nullptr);
+  if (t) a.deallocate(t);
+  CHECK(a.check() == "");
+}
+
+TEST_CASE("set_memory_limit from another thread while six threads allocate: each phase's cap holds") {
+  const std::size_t high = 96 * MiB, low = 32 * MiB;
+  options o = limited(high);
+  o.huge_threshold = 16 * MiB;
+  auto a = allocator::host(o);
+  std::atomic<bool> done{false};
+  // Flips between the two limits: growths read it under their lock, the set takes none.
+  std::thread flipper([&] {
+    for (int i = 0; !done.load(); ++i) {
+      a.set_memory_limit(i % 2 ? low : high);
+      std::this_thread::yield();
+    }
+  });
+  run_result res;
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 6; ++t) ts.emplace_back([&, t] { churn(a, 2000 + t, 150 * kScale, 6, res); });
+  for (auto& t : ts) t.join();
+  done = true;
+  flipper.join();
+  INFO("other failure: " << res.other_message);
+  CHECK(res.other == 0);
+  CHECK(res.ok > 0);
+  CHECK(a.stats().peak_physical <= high);
+  // Settled at the lower limit: a second round never holds more than it.
+  a.set_memory_limit(low);
+  a.trim();
+  a.reset_peaks();
+  ts.clear();
+  for (int t = 0; t < 6; ++t) ts.emplace_back([&, t] { churn(a, 3000 + t, 100 * kScale, 6, res); });
+  for (auto& t : ts) t.join();
+  CHECK(res.other == 0);
+  CHECK(a.stats().peak_physical <= low);
+  CHECK(a.stats().live == 0);
   CHECK(a.check() == "");
 }
 

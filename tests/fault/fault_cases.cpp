@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "fault/pattern.hpp"
@@ -282,5 +283,20 @@ TEST_CASE("C API: policy memory_limit reached -> NULL, VMM_ERROR_OUT_OF_MEMORY, 
   void* q = vmm_malloc(a, 1 * MiB);
   CHECK(q != nullptr);
   CHECK(vmm_free(a, q) == VMM_SUCCESS);
+  // At run time: raised, the 32 MiB block fits; back to 0 = no limit; NULLs refused.
+  std::size_t limit = 1;
+  CHECK(vmm_get_memory_limit(a, &limit) == VMM_SUCCESS);
+  CHECK(limit == 16 * MiB);
+  CHECK(vmm_set_memory_limit(a, 64 * MiB) == VMM_SUCCESS);
+  void* big = vmm_malloc(a, 32 * MiB);
+  CHECK(big != nullptr);
+  CHECK(vmm_free(a, big) == VMM_SUCCESS);
+  CHECK(vmm_set_memory_limit(a, 0) == VMM_SUCCESS);
+  CHECK(vmm_get_memory_limit(a, &limit) == VMM_SUCCESS);
+  CHECK(limit == 0);
+  CHECK(vmm_set_memory_limit(nullptr, MiB) == VMM_ERROR_INVALID_VALUE);
+  CHECK(std::string(vmm_last_error()).find("allocator is NULL") != std::string::npos);
+  CHECK(vmm_get_memory_limit(a, nullptr) == VMM_ERROR_INVALID_VALUE);
+  CHECK(vmm_check(a) == VMM_SUCCESS);
   vmm_destroy(a);
 }

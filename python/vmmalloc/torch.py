@@ -77,6 +77,9 @@ def _bind(lib):
         "vmm_torch_stat_names": (c.c_char_p, []),
         "vmm_torch_trim": (c.c_int, [c.c_int]),
         "vmm_torch_reset_peaks": (c.c_int, [c.c_int]),
+        "vmm_torch_mem_info": (c.c_int, [c.c_int, c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]),
+        "vmm_torch_set_memory_fraction": (c.c_int, [c.c_int, c.c_double]),
+        "vmm_torch_memory_fraction": (c.c_int, [c.c_int, c.POINTER(c.c_double)]),
         "vmm_torch_check": (c.c_int, [c.c_int]),
         "vmm_torch_flush_trace": (c.c_int, []),
         "vmm_torch_config": (c.c_char_p, [c.c_int]),
@@ -288,6 +291,22 @@ def trim(device=-1):
 def reset_peaks(device=-1):
     """Peak counters start again from the current values."""
     _rc(load().vmm_torch_reset_peaks(int(device)))
+
+
+def set_memory_fraction(fraction, device=0):
+    """Caps what vmmalloc holds on `device` (mapped and idle memory) at fraction x the device's
+    memory, as torch.cuda.set_per_process_memory_fraction does for PyTorch's allocator (which
+    reaches here too in extension mode; the plain pluggable allocator drops it). Lowered below
+    what is held, free memory goes back until it fits; allocations past it raise
+    torch.OutOfMemoryError. fraction in [0, 1]."""
+    _rc(load().vmm_torch_set_memory_fraction(int(device), float(fraction)))
+
+
+def memory_fraction(device=0):
+    """The limit of `device` as a fraction of its memory (1.0 with no limit)."""
+    f = ctypes.c_double()
+    _rc(load().vmm_torch_memory_fraction(int(device), ctypes.byref(f)))
+    return f.value
 
 
 def check(device=-1):

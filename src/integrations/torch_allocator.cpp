@@ -425,6 +425,16 @@ int vmm_torch_stats(int device, uint64_t* out, int n) try {
   return -1;
 }
 
+namespace {
+// Device d's free and total memory as the driver reports them (cuMemGetInfo; the host backend's
+// simulated limit). Throws vmm::error.
+auto device_memory(int d) {
+  const auto m = slots[d].backend->mem_info();
+  if (!m.ok()) throw vmm::error(m.st, "cuMemGetInfo");
+  return m.value;
+}
+}  // namespace
+
 int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) {
   if (!free_bytes || !total_bytes) {
     set_error("vmmalloc_torch: mem_info: free_bytes and total_bytes must not be NULL");
@@ -432,10 +442,36 @@ int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) 
   }
   // One device: a negative one is out of range here, not "every device".
   return for_devices(device < 0 ? kMaxDevices : device, "mem_info", [&](vmm::allocator&) {
-    const auto m = slots[device].backend->mem_info();
-    if (!m.ok()) throw vmm::error(m.st, "cuMemGetInfo");
-    *free_bytes = m.value.free;
-    *total_bytes = m.value.total;
+    const auto m = device_memory(device);
+    *free_bytes = m.free;
+    *total_bytes = m.total;
+  });
+}
+
+int vmm_torch_set_memory_fraction(int device, double fraction) try {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {  // NaN too
+    set_error("vmmalloc_torch: set_memory_fraction: fraction must lie in [0, 1], got " + std::to_string(fraction));
+    return -1;
+  }
+  // The limit belongs to the device's allocator: created now if need be. One device: a negative
+  // one is out of range here, not "every device".
+  if (device >= 0 && !get(device)) return -1;
+  return for_devices(device < 0 ? kMaxDevices : device, "set_memory_fraction", [&](vmm::allocator& a) {
+    a.set_memory_limit(static_cast<std::size_t>(fraction * static_cast<double>(device_memory(device).total)));
+  });
+} catch (...) {  // no memory for the message
+  return -1;
+}
+
+int vmm_torch_memory_fraction(int device, double* fraction) {
+  if (!fraction) {
+    set_error("vmmalloc_torch: memory_fraction: fraction must not be NULL");
+    return -1;
+  }
+  if (device >= 0 && !get(device)) return -1;
+  return for_devices(device < 0 ? kMaxDevices : device, "memory_fraction", [&](vmm::allocator& a) {
+    const std::size_t total = device_memory(device).total, limit = a.memory_limit();
+    *fraction = limit >= total ? 1.0 : static_cast<double>(limit) / static_cast<double>(total);
   });
 }
 

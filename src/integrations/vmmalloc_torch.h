@@ -69,6 +69,14 @@ const char* vmm_torch_stat_names(void);
  * backend's simulated limit). 0, or -1 + last error (no allocator on `device` yet, NULL). */
 int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes);
 
+/* PyTorch's per-process memory fraction (torch.cuda.set_per_process_memory_fraction): the
+ * device's memory limit becomes fraction x its total memory (the allocator is created first if
+ * need be). Lowered below what is held, free and idle memory goes back until it fits; past it
+ * allocations fail as out of memory. fraction in [0, 1]. 0, or -1 + last error. */
+int vmm_torch_set_memory_fraction(int device, double fraction);
+/* The limit as a fraction of the device's total memory; 1 with no limit. 0, or -1 + last error. */
+int vmm_torch_memory_fraction(int device, double* fraction);
+
 /* device -1 = every device that has an allocator. 0, or -1 + last error. */
 int vmm_torch_trim(int device);
 int vmm_torch_reset_peaks(int device);

@@ -142,6 +142,34 @@ def main():
             expect(False, "cudnn.benchmark convolution raised: %s" % str(ex)[:300])
         finally:
             torch.backends.cudnn.benchmark = False
+
+        # set_per_process_memory_fraction: vmmalloc's limit on what it holds (the plain pluggable
+        # allocator drops the setting); get_per_process_memory_fraction reads it back.
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        held = torch.cuda.memory_reserved()
+        frac = (held + (512 << 20)) / total  # 512 MiB of room
+        torch.cuda.set_per_process_memory_fraction(frac, 0)
+        expect(abs(vt.memory_fraction(0) - frac) < 1e-6, "set_per_process_memory_fraction(%.5f): vmmalloc's "
+               "limit reads %.5f" % (frac, vt.memory_fraction(0)))
+        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            got = torch.cuda.get_per_process_memory_fraction(0)
+            expect(abs(got - frac) < 1e-6, "get_per_process_memory_fraction: %.5f" % got)
+        try:
+            torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+            expect(False, "1 GiB past a 512 MiB room raises")
+        except (RuntimeError, MemoryError) as ex:
+            expect("limit" in str(ex), "1 GiB past the fraction raises %s: %s" % (type(ex).__name__, str(ex)[:200]))
+        x = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+        expect(x.sum().item() == 256 << 20 and torch.cuda.memory_reserved() <= frac * total,
+               "256 MiB fits under the fraction; reserved %d <= %d" % (torch.cuda.memory_reserved(), frac * total))
+        del x
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        y = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
+        expect(y.sum().item() == 1 << 30 and vt.memory_fraction(0) == 1.0, "fraction 1.0: 1 GiB fits")
+        del y
     else:
         print("skip  PyTorch memory statistics: mode %r" % vt.mode())
 

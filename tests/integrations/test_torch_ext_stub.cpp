@@ -263,3 +263,34 @@ TEST_CASE("PyTorch's memory statistics and empty_cache come from vmmalloc") {
   b.cacheInfo(5, &none_largest);
   CHECK(none_largest == 0);
 }
+
+TEST_CASE("set_per_process_memory_fraction sets vmmalloc's limit; get_per_process_memory_fraction reads it") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  cca::CUDAAllocator& b = base();  // torch.cuda.set_per_process_memory_fraction calls through it
+  const int d = 6;
+  const cudaStream_t s = S(0x70);
+  std::uint64_t free = 0, total = 0;
+  REQUIRE(vmm_torch_init(d) == 0);
+  REQUIRE(vmm_torch_mem_info(d, &free, &total) == 0);
+  const double frac = static_cast<double>(32 << 20) / static_cast<double>(total);  // 32 MiB
+  b.setMemoryFraction(frac, d);
+  double f = 0;
+  REQUIRE(vmm_torch_memory_fraction(d, &f) == 0);
+  CHECK(f == doctest::Approx(frac).epsilon(1e-9));
+#ifndef VMM_STUB_OLD_API
+  CHECK(b.getMemoryFraction(d) == doctest::Approx(frac).epsilon(1e-9));  // the base class would throw
+#endif
+  // Past the limit: PyTorch's malloc throws with vmmalloc's reason (an OutOfMemoryError there).
+  CHECK_THROWS_WITH(a.alloc_fn_(std::size_t{48} << 20, d, s), doctest::Contains("limit"));
+  void* p = a.alloc_fn_(std::size_t{16} << 20, d, s);
+  CHECK(p != nullptr);
+  a.free_fn_(p, std::size_t{16} << 20, d, s);
+  b.setMemoryFraction(1.0, d);
+  void* q = a.alloc_fn_(std::size_t{48} << 20, d, s);
+  CHECK(q != nullptr);
+  a.free_fn_(q, std::size_t{48} << 20, d, s);
+  // PyTorch range-checks the fraction in Python; a bad one reaching C++ is refused with the reason.
+  CHECK_THROWS_WITH_AS(b.setMemoryFraction(2.0, d), doctest::Contains("fraction must lie in [0, 1]"), c10::Error);
+  CHECK(vmm_torch_memory_fraction(d, &f) == 0);
+  CHECK(f == 1.0);
+}

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -288,4 +289,47 @@ TEST_CASE("mem_info: the device's free and total memory; errors for a device wit
   CHECK(vmm_torch_mem_info(d, nullptr, &total) == -1);
   CHECK(vmm_torch_mem_info(-1, &free0, &total) == -1);
   CHECK(vmm_torch_mem_info(1000, &free0, &total) == -1);
+}
+
+TEST_CASE("set_memory_fraction: the device's limit as a fraction of its memory; bad input refused") {
+  const int d = 2;
+  std::uint64_t free = 0, total = 0;
+  REQUIRE(vmm_torch_init(d) == 0);
+  REQUIRE(vmm_torch_mem_info(d, &free, &total) == 0);
+  double f = -1;
+  REQUIRE(vmm_torch_memory_fraction(d, &f) == 0);
+  CHECK(f == 1.0);  // no limit
+
+  const double frac = static_cast<double>(64 << 20) / static_cast<double>(total);  // 64 MiB
+  REQUIRE(vmm_torch_set_memory_fraction(d, frac) == 0);
+  REQUIRE(vmm_torch_memory_fraction(d, &f) == 0);
+  CHECK(f == doctest::Approx(frac).epsilon(1e-9));
+  void* p = vmm_torch_try_malloc(48 << 20, d, nullptr);
+  REQUIRE(p != nullptr);
+  CHECK(vmm_torch_try_malloc(32 << 20, d, nullptr) == nullptr);  // 48 + 32 MiB > 64 MiB
+  CHECK(std::string(vmm_torch_last_error()).find("limit") != std::string::npos);
+  CHECK(stat(d, "peak_physical") <= (64u << 20));
+
+  // Bad input: refused with the reason, the fraction unchanged.
+  CHECK(vmm_torch_set_memory_fraction(d, 1.5) == -1);
+  CHECK(std::string(vmm_torch_last_error()).find("fraction must lie in [0, 1], got 1.5") != std::string::npos);
+  CHECK(vmm_torch_set_memory_fraction(d, -0.25) == -1);
+  CHECK(vmm_torch_set_memory_fraction(d, std::numeric_limits<double>::quiet_NaN()) == -1);
+  CHECK(vmm_torch_set_memory_fraction(-1, 0.5) == -1);
+  CHECK(std::string(vmm_torch_last_error()).find("out of range") != std::string::npos);
+  CHECK(vmm_torch_set_memory_fraction(1000, 0.5) == -1);
+  CHECK(vmm_torch_memory_fraction(d, nullptr) == -1);
+  CHECK(vmm_torch_memory_fraction(-1, &f) == -1);
+  REQUIRE(vmm_torch_memory_fraction(d, &f) == 0);
+  CHECK(f == doctest::Approx(frac).epsilon(1e-9));
+
+  // Raised to the whole device: the 32 MiB block fits.
+  REQUIRE(vmm_torch_set_memory_fraction(d, 1.0) == 0);
+  REQUIRE(vmm_torch_memory_fraction(d, &f) == 0);
+  CHECK(f == 1.0);
+  void* q = vmm_torch_try_malloc(32 << 20, d, nullptr);
+  CHECK(q != nullptr);
+  vmm_torch_free(q, 32 << 20, d, nullptr);
+  vmm_torch_free(p, 48 << 20, d, nullptr);
+  CHECK(vmm_torch_check(d) == 0);
 }

@@ -170,6 +170,26 @@ expect(lib.vmm_torch_release_pool(6, 11) == 0 and vt.stats(6)["pools"] == 0 and 
        "release_pool: pools and pool_held back to 0")
 expect(lib.vmm_torch_pool_stats(6, 11, None, None, None) == 0, "pool_stats: the pool is gone")
 
+# --- memory fraction (device 7): the limit set from Python, as the plain pluggable mode needs ------
+expect(vt.memory_fraction(7) == 1.0, "memory_fraction(7) with no limit: 1.0")
+total = ctypes.c_uint64(0)
+free = ctypes.c_uint64(0)
+expect(lib.vmm_torch_mem_info(7, ctypes.byref(free), ctypes.byref(total)) == 0, "mem_info(7)")
+frac = (32 * MiB) / total.value
+vt.set_memory_fraction(frac, 7)
+expect(abs(vt.memory_fraction(7) - frac) < 1e-9, "memory_fraction(7) reads back %r" % vt.memory_fraction(7))
+expect(not lib.vmm_torch_try_malloc(48 * MiB, 7, 0) and "limit" in vt.last_error(),
+       "48 MiB past a 32 MiB fraction: " + vt.last_error())
+try:
+    vt.set_memory_fraction(1.5, 7)
+    expect(False, "set_memory_fraction(1.5) raised nothing")
+except RuntimeError as e:
+    expect("fraction must lie in [0, 1], got 1.5" in str(e), "set_memory_fraction(1.5): " + str(e))
+vt.set_memory_fraction(1.0, 7)
+p7 = lib.vmm_torch_try_malloc(48 * MiB, 7, 0)
+expect(bool(p7) and vt.memory_fraction(7) == 1.0, "fraction 1.0: 48 MiB fits")
+lib.vmm_torch_free(p7, 0, 7, 0)
+
 # --- without torch: no mode, and the fallback's warning names what does not work -----------------
 expect(vt.mode() is None and not vt.enabled() and vt.extension_info() is None, "mode() is None before enable()")
 w = vt.NO_EXTENSION_WARNING % "why"

@@ -11,6 +11,10 @@
 //       cuDNN's benchmark mode (torch.backends.cudnn.benchmark) asks it for the largest block
 //       the allocator can hand out before it searches algorithms; the base class refuses, so
 //       every convolution there failed.
+//   set_memory_fraction_fn, getMemoryFraction
+//       torch.cuda.set_per_process_memory_fraction / get_per_process_memory_fraction: the
+//       device's vmmalloc memory limit, as a fraction of its memory (the base class ignored the
+//       setting and refuses the query).
 //   set_reset_fn, getDeviceStats, resetPeakStats, resetAccumulatedStats
 //       torch.cuda.empty_cache (vmmalloc's trim) and PyTorch's memory statistics
 //       (torch.cuda.memory_allocated, max_memory_allocated, memory_reserved, memory_stats,
@@ -82,6 +86,8 @@ struct library {
   const char* (*stat_names)() = nullptr;
   int (*trim)(int) = nullptr;
   int (*mem_info)(int, std::uint64_t*, std::uint64_t*) = nullptr;
+  int (*set_fraction)(int, double) = nullptr;
+  int (*fraction)(int, double*) = nullptr;
   int (*reset_peaks)(int) = nullptr;
   const char* (*last_error)() = nullptr;
 };
@@ -367,6 +373,12 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
     const stat_values v(device);
     *largest_block = static_cast<size_t>(free + v["free_chunk_bytes"] + v["idle"]);
   }
+  // set_per_process_memory_fraction's counterpart (a hook: set_memory_fraction_fn below).
+  double getMemoryFraction(c10::DeviceIndex device) {
+    double f = 1.0;
+    TORCH_CHECK(lib.fraction(device, &f) == 0, "vmmalloc: get_per_process_memory_fraction: ", lib_error());
+    return f;
+  }
   void resetAccumulatedStats(c10::DeviceIndex device) {
     const accumulated now = accumulated_now(stat_values(device));
     std::lock_guard g(acc_mu);
@@ -470,6 +482,8 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
     resolve(h, "vmm_torch_stat_names", l.stat_names, missing);
     resolve(h, "vmm_torch_trim", l.trim, missing);
     resolve(h, "vmm_torch_mem_info", l.mem_info, missing);
+    resolve(h, "vmm_torch_set_memory_fraction", l.set_fraction, missing);
+    resolve(h, "vmm_torch_memory_fraction", l.fraction, missing);
     resolve(h, "vmm_torch_reset_peaks", l.reset_peaks, missing);
     resolve(h, "vmm_torch_last_error", l.last_error, missing);
     if (!missing.empty()) {
@@ -494,6 +508,11 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
     a->set_record_stream_fn([](void* p, cudaStream_t s) { (void)lib.record_stream(p, s); });
     // torch.cuda.empty_cache(): free chunks and idle handles of every device go back.
     a->set_reset_fn([] { (void)lib.trim(-1); });
+    // torch.cuda.set_per_process_memory_fraction(f, device): PyTorch has checked 0 <= f <= 1.
+    // The limit counts what vmmalloc holds (mapped and idle), as PyTorch's counts what it reserved.
+    a->set_memory_fraction_fn([](double f, int device) {
+      TORCH_CHECK(lib.set_fraction(device, f) == 0, "vmmalloc: set_per_process_memory_fraction: ", lib_error());
+    });
     a->mempool_ok = probe_mempool(*a);
     // What torch._C._cuda_customAllocator does after creating one (createCustomAllocator): init
     // marks it initialized; its device count argument is unused without an init function.

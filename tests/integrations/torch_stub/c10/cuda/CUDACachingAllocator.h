@@ -3,7 +3,7 @@
 // src/integrations/torch_ext/vmm_torch_ext.cpp uses, so the extension's logic builds and runs in CI
 // without PyTorch (test_torch_ext_stub.cpp). Declarations follow PyTorch 2.11's; with
 // -DVMM_STUB_OLD_API the MemPool calls take the older forms (a raw allocator pointer,
-// setUseOnOOM without its flag). The base class refuses what PyTorch's base class refuses.
+// setUseOnOOM without its flag) and getMemoryFraction is absent. The base class refuses what PyTorch's base class refuses.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -73,6 +73,7 @@ struct CUDAAllocator {
   virtual void resetAccumulatedStats(DeviceIndex device) = 0;
   virtual void resetPeakStats(DeviceIndex device) = 0;
   virtual void cacheInfo(DeviceIndex device, size_t* largestBlock) = 0;
+  virtual void setMemoryFraction(double fraction, DeviceIndex device) = 0;
   virtual std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex, MempoolId_t) = 0;
   virtual CheckpointDelta setCheckpointPoolState(DeviceIndex, std::shared_ptr<AllocatorState>) = 0;
   virtual bool checkPoolLiveAllocations(DeviceIndex, MempoolId_t, const std::unordered_set<void*>&) {
@@ -88,6 +89,8 @@ struct CUDAAllocator {
     throw Error(name() + " does not yet support createOrIncrefPool");
   }
   virtual void setUseOnOOM(DeviceIndex, MempoolId_t, bool) { throw Error(name() + " does not yet support setUseOnOOM"); }
+  // Newer releases only (torch.cuda.get_per_process_memory_fraction).
+  virtual double getMemoryFraction(DeviceIndex) { throw Error(name() + " does not yet support getMemoryFraction"); }
 #endif
   virtual void setNoSplit(DeviceIndex, MempoolId_t) { throw Error(name() + " does not yet support setNoSplit"); }
   virtual int getPoolUseCount(DeviceIndex, MempoolId_t) { throw Error(name() + " does not yet support getPoolUseCount"); }

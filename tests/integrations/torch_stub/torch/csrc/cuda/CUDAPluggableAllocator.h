@@ -15,6 +15,7 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
   CUDAPluggableAllocator(CUDAPluggableAllocator&& other) = delete;
 
   void set_reset_fn(std::function<void()> f) { reset_fn_ = std::move(f); }
+  void set_memory_fraction_fn(std::function<void(double, int)> f) { memory_fraction_fn_ = std::move(f); }
   void set_record_stream_fn(std::function<void(void* ptr, cudaStream_t stream)> f) { record_stream_fn_ = std::move(f); }
   void set_begin_allocate_to_pool(
       std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> f) {
@@ -30,6 +31,10 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
   // As PyTorch's: emptyCache calls the reset function; the statistics are refused.
   void emptyCache(c10::cuda::MempoolId_t = {0, 0}) override {
     if (reset_fn_) reset_fn_();
+  }
+  // As PyTorch's: the setting goes to the hook when there is one, else it is dropped.
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    if (memory_fraction_fn_) memory_fraction_fn_(fraction, device);
   }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override {
     throw c10::Error("CUDAPluggableAllocator does not yet support getDeviceStats");
@@ -55,6 +60,7 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
   std::function<void*(size_t, int, cudaStream_t)> alloc_fn_;
   std::function<void(void*, size_t, int, cudaStream_t)> free_fn_;
   std::function<void()> reset_fn_;
+  std::function<void(double, int)> memory_fraction_fn_;
   std::function<void(void* ptr, cudaStream_t stream)> record_stream_fn_;
   std::function<void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)> begin_allocate_to_pool_fn_;
   std::function<void(int, c10::cuda::MempoolId_t)> end_allocate_to_pool_fn_;

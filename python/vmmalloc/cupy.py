@@ -67,7 +67,7 @@ def _make_malloc(lib, cupy):
         stream = current_stream().ptr
         ptr = try_malloc(n, dev, stream)
         if not ptr:
-            raise oom(_vt.last_error())  # "vmmalloc: cannot allocate ... on device d: why"
+            raise oom(_vt.last_error())  # "CUDA out of memory. vmmalloc cannot allocate ... on device d: why"
         owner = _Block(ptr, n, dev, stream, free)
         mem = cupy.cuda.UnownedMemory(ptr, n, owner, device_id=dev)
         return cupy.cuda.MemoryPointer(mem, 0)

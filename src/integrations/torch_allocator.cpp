@@ -336,14 +336,19 @@ void* do_malloc(ssize_t size, int device, void* stream, bool throwing) {
 
   slots[device].malloc_failures.fetch_add(1, std::memory_order_relaxed);
   vmm::status st = vmm::last_error().st;
+  // Out of memory begins as PyTorch's own allocator words it: code that retries with a smaller
+  // batch on it (accelerate's find_executable_batch_size, Lightning's batch-size finder) matches
+  // "CUDA out of memory." in the message.
+  const char* head = st.kind == vmm::errc::out_of_memory ? "CUDA out of memory. vmmalloc cannot allocate "
+                                                          : "vmmalloc: cannot allocate ";
   std::string m;
   try {
     vmm::allocator_stats s = a->stats();
-    m = "vmmalloc: cannot allocate " + human(static_cast<std::size_t>(size)) + " on device " +
-        std::to_string(device) + ": " + vmm::last_error().message + " (mapped " + human(s.mapped) +
-        ", requested " + human(s.requested) + ", " + std::to_string(s.live) + " live blocks)";
+    m = head + human(static_cast<std::size_t>(size)) + " on device " + std::to_string(device) + ": " +
+        vmm::last_error().message + " (mapped " + human(s.mapped) + ", requested " + human(s.requested) +
+        ", " + std::to_string(s.live) + " live blocks)";
   } catch (...) {
-    m = "vmmalloc: cannot allocate " + std::to_string(size) + " bytes";
+    m = head + std::to_string(size) + " bytes";
   }
   set_error(m);
   if (!throwing) return nullptr;

@@ -45,7 +45,10 @@ extern "C" {
 /* PyTorch's malloc: a block of `size` bytes on `device`, ordered on `stream` (a cudaStream_t).
  * size 0 returns NULL (PyTorch never frees a null pointer). On failure it THROWS a C++ exception
  * (vmm::out_of_memory, a std::bad_alloc, or vmm::error) whose message says why: PyTorch's
- * pluggable path does not check for NULL, and turns the exception into a Python RuntimeError. */
+ * pluggable path does not check for NULL, and turns the exception into a Python RuntimeError
+ * (torch.OutOfMemoryError through libvmmalloc_torch_ext.so). Out of memory reads
+ * "CUDA out of memory. vmmalloc cannot allocate <size> on device <d>: <why> (...)", other
+ * failures "vmmalloc: cannot allocate ...". */
 void* vmm_torch_malloc(ssize_t size, int device, void* stream);
 /* Same, never throws: NULL on failure, vmm_torch_last_error() says why (ctypes, CuPy). */
 void* vmm_torch_try_malloc(ssize_t size, int device, void* stream);

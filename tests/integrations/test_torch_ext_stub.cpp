@@ -280,8 +280,25 @@ TEST_CASE("set_per_process_memory_fraction sets vmmalloc's limit; get_per_proces
 #ifndef VMM_STUB_OLD_API
   CHECK(b.getMemoryFraction(d) == doctest::Approx(frac).epsilon(1e-9));  // the base class would throw
 #endif
-  // Past the limit: PyTorch's malloc throws with vmmalloc's reason (an OutOfMemoryError there).
-  CHECK_THROWS_WITH(a.alloc_fn_(std::size_t{48} << 20, d, s), doctest::Contains("limit"));
+  // Past the limit: c10::OutOfMemoryError (torch.OutOfMemoryError in Python) with vmmalloc's
+  // reason, worded as PyTorch's own allocator begins it.
+  try {
+    (void)a.alloc_fn_(std::size_t{48} << 20, d, s);
+    FAIL("48 MiB past a 32 MiB fraction did not throw");
+  } catch (const c10::OutOfMemoryError& e) {
+    const std::string what = e.what();
+    CHECK(what.rfind("CUDA out of memory. vmmalloc cannot allocate 48.00 MiB on device 6: ", 0) == 0);
+    CHECK(what.find("memory limit") != std::string::npos);
+  }
+  // A failure that is not out of memory (a size PyTorch never passes) stays a plain exception.
+  try {
+    (void)a.alloc_fn_(~std::size_t{0}, d, s);
+    FAIL("a negative size did not throw");
+  } catch (const c10::OutOfMemoryError&) {
+    FAIL("a negative size raised out of memory");
+  } catch (const std::exception& e) {
+    CHECK(std::string(e.what()).find("negative size") != std::string::npos);
+  }
   void* p = a.alloc_fn_(std::size_t{16} << 20, d, s);
   CHECK(p != nullptr);
   a.free_fn_(p, std::size_t{16} << 20, d, s);

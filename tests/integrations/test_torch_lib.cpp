@@ -57,7 +57,7 @@ TEST_CASE("malloc throws std::bad_alloc with the reason past the memory limit, a
   } catch (const std::bad_alloc& e) {
     what = e.what();
   }
-  CHECK(what.find("cannot allocate 64.00 MiB on device 6") != std::string::npos);
+  CHECK(what.rfind("CUDA out of memory. vmmalloc cannot allocate 64.00 MiB on device 6: ", 0) == 0);
   CHECK(std::string(vmm_torch_last_error()) == what);
   CHECK(stat(6, "malloc_failures") == 1);
 

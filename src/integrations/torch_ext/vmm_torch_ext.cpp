@@ -21,6 +21,9 @@
 //       reset_peak_memory_stats), which the base class refuses with an error: programs and
 //       libraries that print or budget memory through them (torch.compile's autotuning among
 //       them) stopped there under a plain pluggable allocator.
+//   malloc's out of memory
+//       raised as c10::OutOfMemoryError (torch.OutOfMemoryError), not the base class's
+//       RuntimeError.
 // Without these hooks the plain pluggable allocator (python/vmmalloc/torch.py's fallback) gives a
 // graph no private memory: blocks a capture frees are handed to other tensors while replays still
 // write them.
@@ -50,6 +53,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <tuple>
 #include <unordered_set>
@@ -495,8 +499,17 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
 
     // PyTorch hands size_t; vmm_torch_malloc takes ssize_t (the same bits: Python's
     // CUDAPluggableAllocator passes the function pointer itself).
+    // Out of memory becomes c10::OutOfMemoryError, torch.OutOfMemoryError in Python, as under
+    // PyTorch's own allocator: code that catches it to retry smaller or free caches works.
     auto a = std::make_shared<vmm_allocator>(
-        [](size_t n, int device, cudaStream_t s) { return lib.malloc(static_cast<ssize_t>(n), device, s); },
+        [](size_t n, int device, cudaStream_t s) -> void* {
+          try {
+            return lib.malloc(static_cast<ssize_t>(n), device, s);
+          } catch (const std::bad_alloc& e) {
+            TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+          }
+          return nullptr;
+        },
         [](void* p, size_t n, int device, cudaStream_t s) { lib.free(p, static_cast<ssize_t>(n), device, s); });
     a->set_begin_allocate_to_pool([](int device, mempool_id id, stream_filter filter) {
       table().begin(device, id, std::move(filter));

@@ -26,6 +26,9 @@ struct Error : std::exception {
   const char* what() const noexcept override { return msg.c_str(); }
   const char* what_without_backtrace() const noexcept { return msg.c_str(); }
 };
+struct OutOfMemoryError : Error {  // torch.OutOfMemoryError in Python
+  using Error::Error;
+};
 template <class... A>
 std::string str(const A&... a) {
   std::ostringstream o;
@@ -102,5 +105,9 @@ struct CUDAAllocator {
 #define TORCH_CHECK(cond, ...)                              \
   do {                                                      \
     if (!(cond)) throw ::c10::Error(::c10::str(__VA_ARGS__)); \
+  } while (0)
+#define TORCH_CHECK_WITH(error_t, cond, ...)                    \
+  do {                                                          \
+    if (!(cond)) throw ::c10::error_t(::c10::str(__VA_ARGS__)); \
   } while (0)
 #define TORCH_WARN(...) (void)::c10::str(__VA_ARGS__)

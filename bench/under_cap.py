@@ -91,6 +91,15 @@ def self_test():
             want = min(cap, limit)
             if best != want or len(set(b for b, _ in tries)) != len(tries):
                 failures.append("limit %d cap %d: got %d (want %d), tries %s" % (limit, cap, best, want, tries))
+    if parse_variant("tc0:VMMALLOC_THREAD_CACHE=0,VMMALLOC_MAX_GROWTH=2M") != (
+            "tc0", {"VMMALLOC_THREAD_CACHE": "0", "VMMALLOC_MAX_GROWTH": "2M"}):
+        failures.append("parse_variant")
+    for bad in ("x", ":A=1", "x:", "x:A=1,B"):
+        try:
+            parse_variant(bad)
+            failures.append("parse_variant(%r) accepted" % bad)
+        except ValueError:
+            pass
     if failures:
         print("\n".join(failures))
         return 1
@@ -165,18 +174,28 @@ def worker(a):
 
     step(1)  # AdamW's state exists before the search (it is made at the first step)
     ooms = [0]
+    res["oom_messages"] = []
+
+    def oom(b, e):
+        ooms[0] += 1
+        note = {"batch": b, "message": str(e).split("\n")[0][:600]}
+        if vt is not None:
+            st = vt.stats(0)
+            note["vmm"] = {k: st.get(k) for k in ("allocated", "mapped", "physical", "idle", "free_chunk_bytes",
+                                                  "slab_bytes", "chunks", "live")}
+        res["oom_messages"].append(note)
 
     def fits(b):
         try:
             for _ in range(2):
                 step(b)
             return True
-        except torch.OutOfMemoryError:
-            ooms[0] += 1
+        except torch.OutOfMemoryError as e:
+            oom(b, e)
         except RuntimeError as e:  # the plain pluggable allocator raises RuntimeError
             if "out of memory" not in str(e):
                 raise
-            ooms[0] += 1
+            oom(b, e)
         opt.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
@@ -223,9 +242,11 @@ def worker(a):
 
 
 # ---- the driver ------------------------------------------------------------------------------------
-def run_one(a, allocator, out):
-    result = os.path.join(out, "under-cap-%s.json" % allocator)
-    log = os.path.join(out, "under-cap-%s.log" % allocator)
+def run_one(a, allocator, out, variant=None):
+    """variant: (name, {VMMALLOC_...: value}) for a vmmalloc run with options of its own."""
+    tag = allocator + ("-" + variant[0] if variant else "")
+    result = os.path.join(out, "under-cap-%s.json" % tag)
+    log = os.path.join(out, "under-cap-%s.log" % tag)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--allocator", allocator, "--result", result,
            "--cap-gib", str(a.cap_gib), "--seq", str(a.seq), "--start", str(a.start), "--limit", str(a.limit),
            "--confirm-steps", str(a.confirm_steps)]
@@ -235,6 +256,8 @@ def run_one(a, allocator, out):
     if rm.ALLOC_CONF[allocator]:
         env["PYTORCH_CUDA_ALLOC_CONF"] = rm.ALLOC_CONF[allocator]
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    if variant:
+        env.update(variant[1])
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
@@ -246,6 +269,8 @@ def run_one(a, allocator, out):
         with open(result) as f:
             res = json.load(f)
     res["wall_s"] = time.perf_counter() - t0
+    if variant:
+        res["variant"] = {"name": variant[0], "env": variant[1]}
     if rc is None:
         res.update(status="timeout", error="killed after %d s" % a.timeout)
     elif rc not in (0, 77) and res.get("status") == "ok":
@@ -256,18 +281,32 @@ def run_one(a, allocator, out):
     return res
 
 
+def label(r):
+    v = r.get("variant")
+    return rm.LABEL[r["allocator"]] + (" " + " ".join("%s=%s" % kv for kv in v["env"].items()) if v else "")
+
+
+def parse_variant(text):
+    """NAME:KEY=VAL[,KEY=VAL...] -> (NAME, {KEY: VAL}); ValueError otherwise."""
+    name, _, rest = text.partition(":")
+    env = dict(kv.split("=", 1) for kv in rest.split(",") if "=" in kv)
+    if not name or not env or len(env) != len([kv for kv in rest.split(",") if kv]):
+        raise ValueError("--vmm-variant %r: expected NAME:KEY=VAL[,KEY=VAL...]" % text)
+    return name, env
+
+
 def table(runs):
     rows = ["| allocator | largest batch | tokens | out-of-memory tries | held peak GiB | device used GiB | "
             "step ms | process s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         if r.get("status") != "ok":
-            rows.append("| %s | %s: %s | | | | | | %.0f |" % (rm.LABEL[r["allocator"]], r.get("status"),
+            rows.append("| %s | %s: %s | | | | | | %.0f |" % (label(r), r.get("status"),
                                                              str(r.get("error", r.get("reason", "")))[:80],
                                                              r.get("wall_s", 0)))
             continue
         held = "%.2f" % (r["held"] / GiB) if r.get("held") else "n/a"
         rows.append("| %s | %d | %d | %d | %s | %.2f | %.0f | %.0f |" % (
-            rm.LABEL[r["allocator"]], r["best"], r["tokens"], r["ooms"], held, r["device_used"] / GiB,
+            label(r), r["best"], r["tokens"], r["ooms"], held, r["device_used"] / GiB,
             r["step_ms"], r["wall_s"]))
     return "\n".join(rows)
 
@@ -280,6 +319,8 @@ def main():
     p.add_argument("--limit", type=int, default=512)
     p.add_argument("--confirm-steps", type=int, default=5)
     p.add_argument("--allocators", default=",".join(rm.ALLOCATORS))
+    p.add_argument("--vmm-variant", action="append", default=[],
+                   help="NAME:KEY=VAL[,KEY=VAL...]: one more vmmalloc run with those variables (repeatable)")
     p.add_argument("--timeout", type=int, default=150, help="seconds per process")
     p.add_argument("--out", default=os.environ.get("VMM_OUT") or "under-cap-out")
     p.add_argument("--self-test", action="store_true")
@@ -291,11 +332,16 @@ def main():
         return self_test()
     if a.worker:
         return worker(a)
-    allocators = rm.pick(a.allocators, rm.ALLOCATORS, "allocator")
+    try:
+        allocators = [(al, None) for al in rm.pick(a.allocators, rm.ALLOCATORS, "allocator")]
+        allocators += [("vmmalloc", parse_variant(v)) for v in a.vmm_variant]
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     os.makedirs(a.out, exist_ok=True)
     runs = []
-    for al in allocators:
-        r = run_one(a, al, a.out)
+    for al, variant in allocators:
+        r = run_one(a, al, a.out, variant)
         print("%-10s %s best=%s ooms=%s held=%s (%.0f s)" % (al, r.get("status"), r.get("best"), r.get("ooms"),
                                                              r.get("held"), r["wall_s"]), flush=True)
         runs.append(r)

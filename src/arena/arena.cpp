@@ -15,7 +15,8 @@ constexpr std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1
 status fail(errc k, const char* op, const char* name) { return {k, 0, name, op}; }
 }  // namespace
 
-arena::arena(std::unique_ptr<backend_iface> b, const options& o) : b_(std::move(b)), drv_(b_.get()), opt_(o), limit_(o.memory_limit) {}
+arena::arena(std::unique_ptr<backend_iface> b, const options& o)
+    : b_(std::move(b)), drv_(b_.get()), opt_(o), limit_(o.memory_limit) {}
 
 status arena::open() {
   if (!b_) return fail(errc::invalid_value, "arena", "no backend");

@@ -258,6 +258,8 @@ vmm_status vmm_set_memory_limit(vmm_allocator* a, size_t bytes) {
     a->a.set_memory_limit(bytes ? bytes : std::numeric_limits<std::size_t>::max());
   } catch (const vmm::error& e) {
     return set(to_c(e.st().kind), e.what());
+  } catch (const vmm::out_of_memory& e) {
+    return set(VMM_ERROR_OUT_OF_MEMORY, e.what());
   }
   return ok();
 }

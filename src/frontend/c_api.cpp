@@ -105,8 +105,9 @@ vmm_status bad_field(const char* field, const char* what) {
 }  // namespace
 
 namespace {
+// A call on the allocator: NULL refused, every exception turned into a status and message.
 template <class F>
-vmm_status pool_call(vmm_allocator* a, const char* fn, F&& f) {
+vmm_status allocator_call(vmm_allocator* a, const char* fn, F&& f) {
   if (!a) return set(VMM_ERROR_INVALID_VALUE, std::string(fn) + ": allocator is NULL");
   try {
     f();
@@ -221,15 +222,7 @@ void* vmm_calloc_n(vmm_allocator* a, size_t count, size_t size) {
 }
 
 vmm_status vmm_trim(vmm_allocator* a, size_t keep) {
-  if (!a) return invalid("vmm_trim: allocator is NULL");
-  try {
-    a->a.trim(keep);
-  } catch (const vmm::error& e) {
-    return set(to_c(e.st().kind), e.what());
-  } catch (const vmm::out_of_memory& e) {
-    return set(VMM_ERROR_OUT_OF_MEMORY, e.what());
-  }
-  return ok();
+  return allocator_call(a, "vmm_trim", [&] { a->a.trim(keep); });
 }
 
 vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out) {
@@ -253,15 +246,8 @@ vmm_status vmm_reset_peaks(vmm_allocator* a) {
   return ok();
 }
 vmm_status vmm_set_memory_limit(vmm_allocator* a, size_t bytes) {
-  if (!a) return invalid("vmm_set_memory_limit: allocator is NULL");
-  try {
-    a->a.set_memory_limit(bytes ? bytes : std::numeric_limits<std::size_t>::max());
-  } catch (const vmm::error& e) {
-    return set(to_c(e.st().kind), e.what());
-  } catch (const vmm::out_of_memory& e) {
-    return set(VMM_ERROR_OUT_OF_MEMORY, e.what());
-  }
-  return ok();
+  return allocator_call(a, "vmm_set_memory_limit",
+                        [&] { a->a.set_memory_limit(bytes ? bytes : std::numeric_limits<std::size_t>::max()); });
 }
 vmm_status vmm_get_memory_limit(vmm_allocator* a, size_t* bytes) {
   if (!a || !bytes) return invalid("vmm_get_memory_limit: NULL argument");
@@ -282,15 +268,9 @@ vmm_status vmm_get_class_stats(vmm_allocator* a, vmm_class_stats* out, size_t ca
   return ok();
 }
 static vmm_status set_access(vmm_allocator* a, int device, vmm::access_mode m, const char* fn) {
-  if (!a) return set(VMM_ERROR_INVALID_VALUE, std::string(fn) + ": allocator is NULL");
-  try {
+  return allocator_call(a, fn, [&] {
     if (m == vmm::access_mode::none) a->a.revoke(device); else a->a.grant(device, m);
-  } catch (const vmm::error& e) {
-    return set(to_c(e.st().kind), e.what());
-  } catch (const vmm::out_of_memory& e) {
-    return set(VMM_ERROR_OUT_OF_MEMORY, e.what());
-  }
-  return ok();
+  });
 }
 vmm_status vmm_grant(vmm_allocator* a, int device, int read_only) {
   return set_access(a, device, read_only ? vmm::access_mode::read : vmm::access_mode::read_write, "vmm_grant");
@@ -300,17 +280,17 @@ vmm_status vmm_revoke(vmm_allocator* a, int device) {
 }
 
 vmm_status vmm_begin_pool(vmm_allocator* a, uint64_t pool, vmm_stream_filter filter, void* user) {
-  return pool_call(a, "vmm_begin_pool", [&] {
+  return allocator_call(a, "vmm_begin_pool", [&] {
     std::function<bool(vmm::stream_t)> f;
     if (filter) f = [filter, user](vmm::stream_t s) { return filter(s, user) != 0; };
     a->a.begin_pool(pool, std::move(f));
   });
 }
 vmm_status vmm_end_pool(vmm_allocator* a, uint64_t pool) {
-  return pool_call(a, "vmm_end_pool", [&] { a->a.end_pool(pool); });
+  return allocator_call(a, "vmm_end_pool", [&] { a->a.end_pool(pool); });
 }
 vmm_status vmm_release_pool(vmm_allocator* a, uint64_t pool) {
-  return pool_call(a, "vmm_release_pool", [&] { a->a.release_pool(pool); });
+  return allocator_call(a, "vmm_release_pool", [&] { a->a.release_pool(pool); });
 }
 
 vmm_status vmm_check(vmm_allocator* a) {

@@ -300,6 +300,12 @@ int for_devices(int d, const char* what, F f) noexcept try {
   return -1;
 }
 
+// for_devices on one device only: a negative one is out of range here, not "every device".
+template <class F>
+int for_device(int d, const char* what, F f) noexcept {
+  return for_devices(d < 0 ? kMaxDevices : d, what, std::move(f));
+}
+
 #define VMM_TORCH_STATS(X)                                                                     \
   X(requested) X(allocated) X(mapped) X(physical) X(reserved) X(peak_requested)                \
   X(peak_allocated) X(peak_mapped) X(peak_physical) X(chunks) X(idle) X(free_chunk_bytes)      \
@@ -445,8 +451,7 @@ int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) 
     set_error("vmmalloc_torch: mem_info: free_bytes and total_bytes must not be NULL");
     return -1;
   }
-  // One device: a negative one is out of range here, not "every device".
-  return for_devices(device < 0 ? kMaxDevices : device, "mem_info", [&](vmm::allocator&) {
+  return for_device(device, "mem_info", [&](vmm::allocator&) {
     const auto m = device_memory(device);
     *free_bytes = m.free;
     *total_bytes = m.total;
@@ -458,10 +463,9 @@ int vmm_torch_set_memory_fraction(int device, double fraction) try {
     set_error("vmmalloc_torch: set_memory_fraction: fraction must lie in [0, 1], got " + std::to_string(fraction));
     return -1;
   }
-  // The limit belongs to the device's allocator: created now if need be. One device: a negative
-  // one is out of range here, not "every device".
+  // The limit belongs to the device's allocator: created now if need be.
   if (device >= 0 && !get(device)) return -1;
-  return for_devices(device < 0 ? kMaxDevices : device, "set_memory_fraction", [&](vmm::allocator& a) {
+  return for_device(device, "set_memory_fraction", [&](vmm::allocator& a) {
     a.set_memory_limit(static_cast<std::size_t>(fraction * static_cast<double>(device_memory(device).total)));
   });
 } catch (...) {  // no memory for the message
@@ -474,7 +478,7 @@ int vmm_torch_memory_fraction(int device, double* fraction) {
     return -1;
   }
   if (device >= 0 && !get(device)) return -1;
-  return for_devices(device < 0 ? kMaxDevices : device, "memory_fraction", [&](vmm::allocator& a) {
+  return for_device(device, "memory_fraction", [&](vmm::allocator& a) {
     const std::size_t total = device_memory(device).total, limit = a.memory_limit();
     *fraction = limit >= total ? 1.0 : static_cast<double>(limit) / static_cast<double>(total);
   });
@@ -524,11 +528,11 @@ int vmm_torch_begin_pool(int device, uint64_t pool, vmm_torch_stream_filter filt
 }
 
 int vmm_torch_end_pool(int device, uint64_t pool) {
-  return for_devices(device < 0 ? kMaxDevices : device, "end_pool", [pool](vmm::allocator& a) { a.end_pool(pool); });
+  return for_device(device, "end_pool", [pool](vmm::allocator& a) { a.end_pool(pool); });
 }
 
 int vmm_torch_release_pool(int device, uint64_t pool) {
-  return for_devices(device < 0 ? kMaxDevices : device, "release_pool",
+  return for_device(device, "release_pool",
                      [pool](vmm::allocator& a) { a.release_pool(pool); });
 }
 

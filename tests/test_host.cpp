@@ -396,6 +396,55 @@ TEST_CASE("huge_chunk: a split huge block's wholly free handles serve the next h
   }
 }
 
+TEST_CASE("limit_chunk: under a memory limit, pages freed beside a live block go back when the limit binds") {
+  // One 24 MiB growth; a 22 MiB block and a 1 MiB block then share its memory, and the 22 MiB one
+  // is freed. Under a 64 MiB limit a 48 MiB request fits only if the 16 MiB of wholly free pages
+  // beside the live block can be given back: with one handle per growth (limit_chunk 0) they
+  // cannot; with handles of 8 MiB two of the three go back. The limit set at construction and at
+  // run time alike; without a limit the growth is one handle either way.
+  enum class how { option, at_run_time, none };
+  for (std::size_t lc : {std::size_t{0}, vmm::options{}.limit_chunk})
+    for (how h : {how::option, how::at_run_time, how::none}) {
+      CAPTURE(lc);
+      CAPTURE(static_cast<int>(h));
+      vmm::options o = conf::small_options();
+      o.thread_cache_large = false;  // the freed block goes to the heap, not to this thread
+      o.limit_chunk = lc;
+      if (h == how::option) o.memory_limit = 64 * MiB;
+      auto [hb, a] = vmm::test::make_host_alloc(o);
+      if (h == how::at_run_time) a.set_memory_limit(64 * MiB);
+      const bool chunked = lc && h != how::none;
+      void* z = a.allocate(24 * MiB);
+      CHECK(a.stats().chunks == (chunked ? 3u : 1u));
+      a.deallocate(z);
+      void* x = a.allocate(22 * MiB);  // the front of z's memory
+      void* y = a.allocate(MiB);       // the rest: y shares the last handle (or the only one)
+      host_traits::fill(y, MiB, 7);
+      a.deallocate(x);
+      REQUIRE(a.stats().physical == 24 * MiB);
+      void* r = nullptr;
+      try {
+        r = a.allocate(48 * MiB);
+      } catch (const vmm::out_of_memory& e) {
+        CHECK(std::string(e.what()).find("memory limit") != std::string::npos);
+      }
+      if (h == how::none || lc) {
+        REQUIRE(r != nullptr);
+        host_traits::fill(r, 48 * MiB, 5);
+        if (h != how::none) CHECK(a.stats().physical <= 64 * MiB);
+      } else {
+        CHECK(r == nullptr);  // 24 MiB held in one handle + 48 MiB new > 64 MiB
+        CHECK(a.stats().physical == 24 * MiB);
+      }
+      CHECK(host_traits::verify(y, MiB, 7));
+      CHECK(a.check() == "");
+      if (r) a.deallocate(r);
+      a.deallocate(y);
+      a.trim(0);
+      CHECK(a.stats().mapped == 0);
+    }
+}
+
 TEST_CASE("streams: memory freed on S while S runs behind serves S's next growth, not new memory") {
   // The GPU behind the CPU: S's fences stay pending. Free chunks S alone may still use are
   // retired (their handles mapped where S's next request needs them, their old VA unmapped once

@@ -100,7 +100,11 @@ std::string allocator_impl::out_of_memory_detail() const {
   auto mib = [](std::size_t n) { return std::to_string(n >> 20) + " MiB"; };
   std::string d = " (live " + mib(h.allocated) + " in " + std::to_string(h.live) + " blocks; held " +
                   mib(a.physical) + ": mapped " + mib(a.mapped) + ", idle " + mib(a.idle) + ", free chunks " +
-                  mib(a.free_chunk_bytes) + "; limit ";
+                  mib(a.free_chunk_bytes);
+  // Free blocks inside chunks that also hold live blocks: what the reclaim cannot give back.
+  if (const auto f = hp->span_free(); f.bytes)
+    d += ", free in used chunks " + mib(f.bytes) + " (" + mib(f.whole_pages) + " in whole pages)";
+  d += "; limit ";
   const std::size_t limit = ar->memory_limit();
   d += limit == std::numeric_limits<std::size_t>::max() ? std::string("none (the device's memory)") : mib(limit);
   return d + ")";

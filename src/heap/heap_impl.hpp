@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cassert>
+#include <limits>
 #include <map>
 #include <memory>
 #include <new>
@@ -199,6 +200,19 @@ struct heap::impl {
 
   std::size_t small_limit() const { return class_size.empty() ? 0 : class_size.back(); }
   bool whole_chunks() const { return a.whole_chunks(); }  // placement policy (ipc)
+  // Under a memory limit (options.limit_chunk): smaller handles, freed huge blocks in the spans.
+  // Read per growth or free: the limit may be set or lifted at any time (set_memory_limit).
+  bool limited() const {
+    return a.opts().limit_chunk && !whole_chunks() && a.memory_limit() != std::numeric_limits<std::size_t>::max();
+  }
+  // Largest handle a growth creates (0: one handle): for the spans, and for huge blocks.
+  std::size_t span_piece() const { return limited() ? a.opts().limit_chunk : 0; }
+  std::size_t huge_piece() const {
+    if (whole_chunks()) return 0;
+    const std::size_t h = a.opts().huge_chunk, l = span_piece();
+    return h && l ? std::min(h, l) : h | l;
+  }
+  bool split_freed_huge() const { return a.opts().split_freed_huge || limited(); }
 
   // ---- block pool and page chains ----
   block* new_block();

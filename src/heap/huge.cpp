@@ -102,7 +102,7 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   std::size_t got = size;  // more when a retired handle larger than the request is mapped whole
   // Several handles let a split block's free ones serve later requests. An exportable block is
   // never split or reused, and each handle would cost an export: one handle.
-  const std::size_t piece = whole_chunks() ? 0 : a.opts().huge_chunk;
+  const std::size_t piece = huge_piece();
   auto r = a.map_range(size, 0, kOwnerHuge, &got, hid, piece);
   if (!r.ok() && !a.pending_growth() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
@@ -136,7 +136,7 @@ void heap::impl::free_huge(block* b, stream_t s) {
   b->stream = s;
   b->free_seq = ++seq;
   b->set_requested(0);
-  if (!exported && !whole_chunks() && a.opts().split_freed_huge) {
+  if (!exported && !whole_chunks() && split_freed_huge()) {
     huge_to_spans(b, s);  // any later request may split it, with no driver call
     return;
   }

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Reliability under concurrency and pressure, on the host backend (CI runs these in the plain,
 // ASan and TSan trees):
-//   * options.memory_limit is a hard cap: peak_physical <= memory_limit with many threads, huge
-//     blocks of one handle or of several (huge_chunk)
+//   * options.memory_limit is a hard cap: peak_physical <= memory_limit with many threads,
+//     growths of one handle or of several (huge_chunk, limit_chunk)
 //   * free memory is reclaimed before out-of-memory: after every free, limit - granularity fits
 //     without a trim()
 //   * a racing double free (with trim() beside it) is refused, never a use-after-free
@@ -118,9 +118,11 @@ TEST_CASE("memory_limit is a hard cap: six threads of mixed sizes never exceed i
   const std::size_t limit = 64 * MiB;
   options o = limited(limit);
   o.huge_threshold = 16 * MiB;
-  // One handle a huge block, and huge blocks of 4-16 handles (several creates in one growth).
+  // One handle a growth (limit_chunk 0), and growths of several handles (4 MiB huge, 8 MiB span
+  // handles: several creates in one growth, freed huge blocks joining the spans).
   for (int round = 0; round < 4 * kScale; ++round) {
     o.huge_chunk = round % 2 ? 4 * MiB : 0;
+    o.limit_chunk = round % 2 ? options{}.limit_chunk : 0;
     CAPTURE(o.huge_chunk);
     auto a = allocator::host(o);
     run_result res;

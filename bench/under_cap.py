@@ -10,8 +10,9 @@ out-of-memory leaves it broken fails the search.
 
 Every allocator runs in a process of its own (chosen before the first CUDA allocation), one after
 the other, on GPU 0: caching, expandable, async, vmmalloc, as in bench/real_models.py (whose model
-configs and batches this reuses: the llama model of --full, 357 M parameters, AdamW in bf16
-autocast with fp32 master weights, PyTorch's fused attention).
+configs and batches this reuses: by default the llama model of --full, 357 M parameters, AdamW in
+bf16 autocast with fp32 master weights, PyTorch's fused attention; --model moe or bert trains that
+model of --full the same way).
 
 Per process: the cap is set (--cap-gib, as a fraction of the device's memory), the model and its
 AdamW state are made (one step at batch 1), then batches of --seq tokens are searched: doubled
@@ -155,16 +156,18 @@ def worker(a):
     res.update(device=torch.cuda.get_device_name(dev), torch=torch.__version__, fraction=fraction,
                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
 
-    spec = rm.MODELS["llama"]["full"]
+    spec = rm.MODELS[a.model]["full"]
+    family = rm.MODELS[a.model]["family"]
+    res["model"] = a.model
     torch.manual_seed(rm.SEED)
-    model, cfg, vocab = rm.build_model(transformers, "llama", spec["config"], "sdpa")
+    model, cfg, vocab = rm.build_model(transformers, family, spec["config"], "sdpa")
     model = model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rm.SEED)
     res["parameters"] = sum(p.numel() for p in model.parameters())
 
     def step(b):
-        batch = {k: v.to(dev, non_blocking=True) for k, v in rm.make_batch(torch, "llama", (b, a.seq), vocab, None, g).items()}
+        batch = {k: v.to(dev, non_blocking=True) for k, v in rm.make_batch(torch, family, (b, a.seq), vocab, None, g).items()}
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(**batch).loss
         loss.backward()
@@ -248,7 +251,7 @@ def run_one(a, allocator, out, variant=None):
     result = os.path.join(out, "under-cap-%s.json" % tag)
     log = os.path.join(out, "under-cap-%s.log" % tag)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--allocator", allocator, "--result", result,
-           "--cap-gib", str(a.cap_gib), "--seq", str(a.seq), "--start", str(a.start), "--limit", str(a.limit),
+           "--model", a.model, "--cap-gib", str(a.cap_gib), "--seq", str(a.seq), "--start", str(a.start), "--limit", str(a.limit),
            "--confirm-steps", str(a.confirm_steps)]
     env = dict(os.environ)
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
@@ -314,6 +317,7 @@ def table(runs):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cap-gib", type=float, default=24.0)
+    p.add_argument("--model", choices=["llama", "moe", "bert"], default="llama")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--start", type=int, default=8)
     p.add_argument("--limit", type=int, default=512)
@@ -350,7 +354,7 @@ def main():
     print("cap %.1f GiB, sequences of %d tokens, llama (real_models --full)" % (a.cap_gib, a.seq))
     print(md)
     with open(os.path.join(a.out, "under_cap.json"), "w") as f:
-        json.dump({"cap_gib": a.cap_gib, "seq": a.seq, "runs": runs}, f, indent=1)
+        json.dump({"model": a.model, "cap_gib": a.cap_gib, "seq": a.seq, "runs": runs}, f, indent=1)
     if all(r.get("status") == "skipped" for r in runs):
         return 77
     return 0 if all(r.get("status") == "ok" for r in runs) else 1

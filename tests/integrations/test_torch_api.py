@@ -176,6 +176,30 @@ def main():
         y = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
         expect(y[-1].item() == 1 and vt.memory_fraction(0) == 1.0, "fraction 1.0: 1 GiB fits")
         del y
+        # Lowered below what is held: free memory goes back at once, the live tensor stays, and
+        # new memory is refused while what is held is past the limit.
+        keep = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+        spare = torch.ones(512 << 20, dtype=torch.uint8, device="cuda")
+        del spare
+        torch.cuda.synchronize()
+        before = vt.stats(0)
+        low = (before["allocated"] + (64 << 20)) / total
+        torch.cuda.set_per_process_memory_fraction(low, 0)
+        after = vt.stats(0)
+        expect(after["physical"] + (512 << 20) <= before["physical"],
+               "fraction lowered below what is held (%d bytes, %d live): the freed 512 MiB went back, "
+               "held %d" % (before["physical"], before["allocated"], after["physical"]))
+        expect(keep[-1].item() == 1 and after["allocated"] == before["allocated"],
+               "the live 256 MiB tensor stays (allocated %d)" % after["allocated"])
+        try:
+            torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            expect(False, "256 MiB past the lowered fraction raises")
+        except torch.OutOfMemoryError as ex:
+            expect("limit" in str(ex), "256 MiB past the lowered fraction raises: %s" % str(ex)[:200])
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        z = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+        expect(z[-1].item() == 1 and keep[-1].item() == 1, "fraction raised again: 256 MiB fits")
+        del z, keep
     else:
         print("skip  PyTorch memory statistics: mode %r" % vt.mode())
 

@@ -351,7 +351,7 @@ def main():
         runs.append(r)
     md = table(runs)
     print()
-    print("cap %.1f GiB, sequences of %d tokens, llama (real_models --full)" % (a.cap_gib, a.seq))
+    print("cap %.1f GiB, sequences of %d tokens, %s (real_models --full)" % (a.cap_gib, a.seq, a.model))
     print(md)
     with open(os.path.join(a.out, "under_cap.json"), "w") as f:
         json.dump({"model": a.model, "cap_gib": a.cap_gib, "seq": a.seq, "runs": runs}, f, indent=1)

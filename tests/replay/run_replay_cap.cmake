@@ -5,7 +5,7 @@
 include(${CMAKE_CURRENT_LIST_DIR}/replay_ok.cmake)
 file(MAKE_DIRECTORY ${WORK})
 foreach(lag 0 1000)
-  vmm_replay_ok(out ${TRACE} --allocators vmmalloc --option memory_limit=24G --lag ${lag} --check-every 20000
+  vmm_replay_ok(out ${TRACE} --allocators vmmalloc --option memory_limit=24G --lag ${lag} --check-every 5000
                 --json ${WORK}/cap-${lag}.json)
   file(READ ${WORK}/cap-${lag}.json json)
   string(JSON peak GET "${json}" 0 peak_mapped_bytes)

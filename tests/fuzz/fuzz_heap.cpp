@@ -5,11 +5,16 @@
 // Encoding, one op per 4 bytes: [op][a][b][c]
 //   op % 8: 0-2 allocate (size from a,b,c: log-uniform 1 B .. 64 MiB; stream c % 3; align from b)
 //           3-4 free slot (a % live) on stream c % 3     5 double/interior/foreign free (must fail)
-//           6 trim(keep = a MiB)                         7 record_stream(slot a, stream c % 3)
+//           6 trim(keep = a MiB), or with b odd set_memory_limit(16 + a % 64 MiB; a = 0: none)
+//           7 record_stream(slot a, stream c % 3)
+// The first byte picks options: release threshold, freed or cached huge blocks joining the spans,
+// a 96 MiB memory limit from the start, limit_chunk 2 MiB or 0 (one handle a growth).
+// Physical memory never grows past the memory limit.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "vmmalloc/vmmalloc.hpp"
@@ -29,6 +34,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (size && data[0] & 1) o.release_threshold = std::size_t{8} << 20;
   if (size && data[0] & 2) o.split_freed_huge = true;  // freed huge blocks join the spans
   if (size && data[0] & 4) o.split_cached_huge = true;  // cached huge blocks split on a miss
+  if (size && data[0] & 8) o.memory_limit = std::size_t{96} << 20;
+  if (size && data[0] & 16) o.limit_chunk = data[0] & 32 ? 0 : std::size_t{2} << 20;
   vmm::host_backend_options h;
   h.physical_limit = std::size_t{256} << 20;  // small: out-of-memory paths are reachable
   auto a = vmm::allocator::host(o, h);
@@ -36,6 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   auto stream = [](std::uint8_t c) { return reinterpret_cast<vmm::stream_t>(std::uintptr_t(c % 3)); };
   for (std::size_t i = 1; i + 4 <= size; i += 4) {
     const std::uint8_t op = data[i] % 8, x = data[i + 1], y = data[i + 2], z = data[i + 3];
+    const std::size_t physical_before = a.stats().physical;
     if (op <= 2) {
       unsigned bits = (x % 27);  // 1 B .. 64 MiB, log-uniform
       std::size_t n = (std::size_t{1} << bits) + ((std::size_t(y) << 8 | z) % (std::size_t{1} << bits));
@@ -61,6 +69,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       int local = 0;
       if (a.try_deallocate(&local).ok()) die("foreign free accepted", "");
       if (a.stats().live != before.live) die("a refused free changed the stats", "");
+    } else if (op == 6 && (y & 1)) {
+      a.set_memory_limit(x ? (std::size_t{16} + x % 64) << 20 : SIZE_MAX);  // a = 0: none
     } else if (op == 6) {
       try {
         a.trim(std::size_t(x) << 20);
@@ -72,6 +82,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
     std::string why = a.check();
     if (!why.empty()) die("check", why);
+    // A limit lowered below what is held gives back what it can; memory never grows past it.
+    const std::size_t physical = a.stats().physical;
+    if (physical > physical_before && physical > a.memory_limit())
+      die("physical memory grew past the memory limit", std::to_string(physical));
   }
   for (auto& [p, n] : live) a.deallocate(p);
   a.trim(0);

@@ -18,7 +18,6 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,6 +37,10 @@ std::size_t g_piece = std::size_t{8} << 20;
 double us_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
 }
+
+// The device a backend's mappings are made accessible to.
+int access_device(vmm::host_backend&) { return 0; }
+int access_device(vmm::cuda_backend& b) { return b.device(); }
 
 // Writes the range through the GPU and waits (untimed): unmapping memory the GPU touched.
 bool touch(vmm::host_backend&, std::uintptr_t, std::size_t) { return true; }
@@ -73,7 +76,7 @@ void bm_remap(benchmark::State& st, B& b, bool one_unmap) {
     }
     handles.push_back(h.value);
   }
-  const vmm::access_desc rw[1] = {{b.device_for_access(), vmm::access_mode::read_write}};
+  const vmm::access_desc rw[1] = {{access_device(b), vmm::access_mode::read_write}};
   double map_us = 0, access_us = 0, unmap_us = 0;
   std::string err;
   for (auto _ : st) {
@@ -111,26 +114,12 @@ void bm_remap(benchmark::State& st, B& b, bool one_unmap) {
   st.counters["piece_MiB"] = double(g_piece >> 20);
 }
 
-// The backends, opened once. Host: a simulated device with room for the largest N.
-struct host_b : vmm::host_backend {
-  host_b() : vmm::host_backend(opts()) {}
-  static vmm::host_backend_options opts() {
-    vmm::host_backend_options o;
-    o.physical_limit = std::size_t{64} << 30;
-    return o;
-  }
-  int device_for_access() const { return 0; }
-};
-struct cuda_b : vmm::cuda_backend {
-  int device_for_access() const { return device(); }
-};
-
 }  // namespace
 
 int main(int argc, char** argv) {
   g_piece = std::size_t(std::stoull(vmm::bench::take_flag(argc, argv, "piece_mib", "8"))) << 20;
-  static host_b host;
-  static std::optional<cuda_b> cuda;
+  static vmm::host_backend host;  // its default simulated device (64 GiB) holds the largest N
+  static std::optional<vmm::cuda_backend> cuda;
   cuda.emplace();
   if (!cuda->available()) {
     std::fprintf(stderr, "bench: remap/cuda left out: %s\n", cuda->load_message().c_str());

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <map>
 #include <thread>
 
 #include <unistd.h>
@@ -565,6 +566,87 @@ TEST_CASE("streams: record_stream holds a block until the extra stream's fence c
     a.deallocate(q, s1);
     CHECK(a.check() == "");
   }
+}
+
+TEST_CASE("memory_map: segments tile the mapped memory, every block with its state and pool") {
+  auto [hb, a] = vmm::test::make_host_alloc(conf::small_options());
+  auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
+  // Walks the map: blocks tile their segments in address order; returns the block at each start.
+  std::vector<vmm::segment_info> keep;
+  auto walk = [&a = a, &keep](std::size_t& mapped) {
+    std::map<std::uintptr_t, std::pair<vmm::block_info, const vmm::segment_info*>> at;
+    keep = a.memory_map();
+    mapped = 0;
+    std::uintptr_t last_end = 0;
+    for (const auto& seg : keep) {
+      CHECK(seg.addr >= last_end);
+      std::uintptr_t x = seg.addr;
+      for (const auto& b : seg.blocks) {
+        CHECK(b.addr == x);
+        CHECK(b.size > 0);
+        if (b.state != vmm::block_state::live) CHECK(b.requested == 0);
+        at[b.addr] = {b, &seg};
+        x += b.size;
+      }
+      CHECK(x == seg.addr + seg.size);
+      last_end = x;
+      mapped += seg.size;
+    }
+    return at;
+  };
+  auto key = [](void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+
+  void* small = a.allocate(1000, 0, s1);
+  void* large = a.allocate(3 * MiB + 5, 0, s1);
+  void* huge = a.allocate(300 * MiB, 0, s1);
+  void* gone = a.allocate(5 * MiB, 0, s1);
+  a.deallocate(gone, s1);
+  hb->hold_stream(s2);
+  void* pend = a.allocate(2 * MiB, 0, s1);
+  a.record_stream(pend, s2);
+  a.deallocate(pend, s1);
+  a.begin_pool(7);
+  void* pooled = a.allocate(1 * MiB, 0, s1);
+  a.end_pool(7);
+
+  std::size_t mapped = 0;
+  auto at = walk(mapped);
+  const auto st = a.stats();
+  CHECK(mapped == st.mapped);
+  REQUIRE(at.count(key(small)));
+  CHECK(at[key(small)].first.state == vmm::block_state::live);
+  CHECK(at[key(small)].first.requested == 1000);
+  CHECK(at[key(small)].first.size == a.usable_size(small));
+  CHECK(at[key(large)].first.state == vmm::block_state::live);
+  CHECK(at[key(large)].first.requested == 3 * MiB + 5);
+  CHECK(at[key(huge)].first.state == vmm::block_state::live);
+  CHECK(at[key(huge)].second->huge);
+  CHECK(at[key(pend)].first.state == vmm::block_state::pending_free);
+  REQUIRE(at.count(key(pooled)));
+  CHECK(at[key(pooled)].first.state == vmm::block_state::live);
+  CHECK(at[key(pooled)].second->pool == 7);
+  CHECK(at[key(small)].second->pool == 0);
+  if (at.count(key(gone))) {  // kept by the thread cache, or merged into a free neighbour
+    CHECK(at[key(gone)].first.state != vmm::block_state::live);
+  }
+  std::size_t live = 0, requested = 0;
+  for (auto& [p, e] : at)
+    if (e.first.state == vmm::block_state::live) {
+      ++live;
+      requested += e.first.requested;
+    }
+  CHECK(live == st.live);
+  CHECK(requested == st.requested);
+  CHECK(a.check() == "");
+
+  for (void* p : {small, large, huge, pooled}) a.deallocate(p, s1);
+  a.release_pool(7);
+  hb->complete_stream(s2);
+  a.trim(std::size_t(-1));
+  at = walk(mapped);
+  CHECK(mapped == a.stats().mapped);
+  for (auto& [p, e] : at) CHECK(e.first.state != vmm::block_state::live);
+  CHECK(a.check() == "");
 }
 
 TEST_CASE("streams: trim waits only for the fences of chunks it unmaps") {

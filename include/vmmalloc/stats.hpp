@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace vmm {
 
@@ -78,6 +79,32 @@ struct span_free_stats {
   std::size_t blocks = 0;       // free span blocks
   std::size_t whole_pages = 0;  // bytes of granularity pages lying wholly inside a free block
   std::size_t largest = 0;      // the largest free block
+};
+
+// The memory map (allocator::memory_map()): what each mapped byte of the heaps holds now.
+enum class block_state : std::uint8_t {
+  free,          // in the heap's free lists or a slab's free slots (a slab's unused tail too)
+  live,          // the user's
+  cached,        // freed into a thread cache, or a free huge block kept mapped for reuse
+  pending_free,  // freed, its reuse waiting for another stream's work (record_stream, cross-stream)
+};
+
+struct block_info {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;       // bytes it covers (a slot's bytes for a slab's slot)
+  std::size_t requested = 0;  // bytes asked for (live blocks; 0 for the others)
+  block_state state = block_state::free;
+};
+
+// A run of contiguous mapped memory of one heap: a span of the large path (slabs' pages inside it
+// listed slot by slot) or the dedicated chunk of a huge block. Its blocks tile [addr, addr + size)
+// in address order. Idle handles (physical memory not mapped) and retiring VA are in no segment.
+struct segment_info {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  std::uint64_t pool = 0;  // the graph pool whose heap it is in; 0: the allocator's own heap
+  bool huge = false;
+  std::vector<block_info> blocks;
 };
 
 }  // namespace vmm

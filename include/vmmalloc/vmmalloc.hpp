@@ -130,6 +130,11 @@ class allocator {
   // Free span memory of the allocator's heap (graph pools not included). Walks the free lists
   // under the lock: microseconds per hundred free blocks, for diagnostics (vmm-replay --samples).
   span_free_stats span_free() const;
+  // Every segment of mapped memory with its blocks and their states (live, free, thread-cached,
+  // waiting for a stream), graph pools' included, in address order; block sizes are what each
+  // covers (a slab's slot for small sizes). Walks every block under the lock: milliseconds for
+  // a large heap, other threads' allocations wait (PyTorch's torch.cuda.memory_snapshot()).
+  std::vector<segment_info> memory_map() const;
   void reset_peaks();
   // Writes buffered trace events to options.trace_path now (also done when the buffer fills and
   // when the allocator is destroyed).

@@ -75,6 +75,7 @@ def _bind(lib):
         "vmm_torch_initialized": (c.c_int, [c.c_int]),
         "vmm_torch_stats": (c.c_int, [c.c_int, c.POINTER(c.c_uint64), c.c_int]),
         "vmm_torch_stat_names": (c.c_char_p, []),
+        "vmm_torch_memory_map": (c.c_int64, [c.c_int, c.POINTER(c.c_uint64), c.c_int64]),
         "vmm_torch_trim": (c.c_int, [c.c_int]),
         "vmm_torch_reset_peaks": (c.c_int, [c.c_int]),
         "vmm_torch_mem_info": (c.c_int, [c.c_int, c.POINTER(c.c_uint64), c.POINTER(c.c_uint64)]),
@@ -275,6 +276,41 @@ def stats(device=0):
     if n == 0:
         return None
     return {k: int(buf[i]) for i, k in enumerate(names[:n])}
+
+
+_STATES = ("free", "live", "cached", "pending_free")
+
+
+def memory_map(device=0):
+    """What vmmalloc's mapped memory on `device` holds now: a list of segments in address order,
+    each a dict with address, size, pool (a vmmalloc graph pool id, 0: none), huge, and blocks
+    (address, size, requested, state: "live", "free", "cached" = freed into a thread cache, or
+    "pending_free" = waiting for another stream's work) tiling the segment. [] before the device's
+    first allocation. Works in both modes; in extension mode torch.cuda.memory_snapshot() gives the
+    same memory in PyTorch's form."""
+    lib = load()
+    words = 8  # VMM_TORCH_MAP_WORDS
+    n = lib.vmm_torch_memory_map(int(device), None, 0)
+    while True:
+        if n < 0:
+            raise RuntimeError(last_error())
+        room = n + n // 8 + 16
+        buf = (ctypes.c_uint64 * (room * words))()
+        got = lib.vmm_torch_memory_map(int(device), buf, room)
+        if got <= room:
+            n = got
+            break
+        n = got
+    if n < 0:
+        raise RuntimeError(last_error())
+    segments = []
+    for i in range(n):
+        r = buf[i * words:(i + 1) * words]
+        if not segments or segments[-1]["address"] != r[0]:
+            segments.append({"address": r[0], "size": r[1], "pool": r[2], "huge": bool(r[3]), "blocks": []})
+        segments[-1]["blocks"].append({"address": r[4], "size": r[5], "requested": r[6],
+                                       "state": _STATES[r[7]] if r[7] < len(_STATES) else str(r[7])})
+    return segments
 
 
 def _rc(rc):

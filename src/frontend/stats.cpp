@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The allocator's diagnostics: stats() merges the heap's, the arena's and the thread caches'
 // counters; class_stats() and check() walk the metadata.
+#include <algorithm>
+
 #include "frontend/allocator_impl.hpp"
 
 namespace vmm {
@@ -109,6 +111,16 @@ std::vector<class_occupancy> allocator::class_stats() const {
 span_free_stats allocator::span_free() const {
   std::lock_guard g(p_->mu);
   return p_->hp->span_free();
+}
+
+
+std::vector<segment_info> allocator::memory_map() const {
+  std::lock_guard g(p_->mu);
+  std::vector<segment_info> out;
+  p_->hp->memory_map(0, out);
+  for (const auto& [id, gp] : p_->pools) gp.hp->memory_map(id, out);
+  std::sort(out.begin(), out.end(), [](const segment_info& x, const segment_info& y) { return x.addr < y.addr; });
+  return out;
 }
 
 

@@ -403,6 +403,42 @@ int vmm_torch_initialized(int device) { return existing(device) ? 1 : 0; }
 
 const char* vmm_torch_stat_names(void) { return kStatNames; }
 
+static_assert(static_cast<int>(vmm::block_state::pending_free) == 3, "vmmalloc_torch.h numbers the states");
+
+int64_t vmm_torch_memory_map(int device, uint64_t* out, int64_t n) try {
+  if (device < 0 || device >= kMaxDevices || (n > 0 && !out) || n < 0) {
+    set_error("vmmalloc_torch: memory_map: bad argument (device " + std::to_string(device) + ")");
+    return -1;
+  }
+  vmm::allocator* a = existing(device);
+  if (!a) return 0;
+  try {
+    const std::vector<vmm::segment_info> map = a->memory_map();
+    std::int64_t count = 0;
+    for (const auto& seg : map)
+      for (const auto& b : seg.blocks) {
+        if (count < n) {
+          std::uint64_t* r = out + count * VMM_TORCH_MAP_WORDS;
+          r[0] = seg.addr;
+          r[1] = seg.size;
+          r[2] = seg.pool;
+          r[3] = seg.huge ? 1 : 0;
+          r[4] = b.addr;
+          r[5] = b.size;
+          r[6] = b.requested;
+          r[7] = static_cast<std::uint64_t>(b.state);
+        }
+        ++count;
+      }
+    return count;
+  } catch (const std::exception& e) {
+    set_error(std::string("vmmalloc_torch: memory_map: ") + e.what());
+    return -1;
+  }
+} catch (...) {
+  return -1;
+}
+
 int vmm_torch_stats(int device, uint64_t* out, int n) try {
   if (device < 0 || device >= kMaxDevices || (n > 0 && !out) || n < 0) {
     set_error("vmmalloc_torch: stats: bad argument (device " + std::to_string(device) + ")");

@@ -117,6 +117,15 @@ int vmm_torch_pool_of(const void* ptr, uint64_t* pool);
  * when not (never begun, or dropped after its release), -1 on a bad device. */
 int vmm_torch_pool_stats(int device, uint64_t pool, uint64_t* live, uint64_t* allocated, uint64_t* held);
 
+/* The memory map of `device` (vmm::allocator::memory_map()): one record of VMM_TORCH_MAP_WORDS
+ * uint64 per block, in address order: segment address, segment bytes, graph pool (0: none),
+ * huge (1: a dedicated chunk), block address, block bytes, requested bytes, state (0 free, 1 live,
+ * 2 thread-cached, 3 waiting for another stream). Writes min(n, count) records; returns count, 0
+ * when the device has no allocator, -1 + last error on a bad argument. The map changes between
+ * calls: when count > n, call again with room for more. */
+#define VMM_TORCH_MAP_WORDS 8
+int64_t vmm_torch_memory_map(int device, uint64_t* out, int64_t n);
+
 /* The options in effect for `device` ("" when it has no allocator), for logs. Valid until the next
  * call of this function on the same thread. */
 const char* vmm_torch_config(int device);

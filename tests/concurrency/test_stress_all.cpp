@@ -11,7 +11,7 @@
 //   streams (1)   holds a stream tag (its fences stay pending: deferred frees, busy chunks) for a
 //                 few ms at a time, then completes it
 //   admin (1)     trim(), grant()/revoke() of the simulated peer device 1
-//   diag (1)      stats(), class_stats(), check() while all of it runs
+//   diag (1)      stats(), class_stats(), memory_map(), check() while all of it runs
 //
 // Asserted: check() is clean while everything runs and after; peak_physical <= memory_limit on
 // both allocators; every allocation failure is errc::out_of_memory (any other failure is
@@ -304,6 +304,14 @@ void diag(shared_state& s) {
       if (st.requested > st.allocated) s.t.fail("stats: requested above allocated");
       for (const auto& c : a->class_stats())
         if (c.used_slots > c.slots || c.cached_slots > c.used_slots) s.t.fail("class_stats: counts out of order");
+      for (const auto& seg : a->memory_map()) {
+        std::uintptr_t x = seg.addr;
+        for (const auto& b : seg.blocks) {
+          if (b.addr != x || (b.state != block_state::live && b.requested != 0)) s.t.fail("memory_map: a block out of place");
+          x += b.size;
+        }
+        if (x != seg.addr + seg.size) s.t.fail("memory_map: blocks do not tile their segment");
+      }
       ++s.t.checks;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));

@@ -9,6 +9,7 @@ Needs libvmmalloc_torch.so: $VMMALLOC_TORCH_LIB (set by ctest) or a build next t
 import gc
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
 
@@ -119,6 +120,29 @@ def main():
                "memory_stats: %d allocations, %d requested bytes" % (
                    st.get("allocation.all.current", 0), st.get("requested_bytes.all.current", 0)))
         expect("allocated" in torch.cuda.memory_summary().lower(), "memory_summary() prints")
+        # torch.cuda.memory_snapshot() and memory._snapshot(): vmmalloc's memory map in PyTorch's
+        # form (segments of mapped memory whose blocks tile them), as memory_viz reads it.
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        segs = snap["segments"]
+        found = [b for sg in segs for b in sg["blocks"] if b["address"] == x.data_ptr()]
+        expect(len(found) == 1 and found[0]["state"] == "active_allocated" and found[0]["requested_size"] == n,
+               "memory_snapshot: the 256 MiB tensor is one active_allocated block of %s requested bytes" %
+               [b["requested_size"] for b in found])
+        expect(all(sum(b["size"] for b in sg["blocks"]) == sg["total_size"] for sg in segs),
+               "memory_snapshot: the blocks of each of %d segments tile it" % len(segs))
+        alloc_sum = sum(sg["allocated_size"] for sg in segs)
+        expect(alloc_sum == torch.cuda.memory_allocated(),
+               "memory_snapshot: allocated_size sums to memory_allocated (%d, %d)" % (alloc_sum, torch.cuda.memory_allocated()))
+        expect(sum(sg["total_size"] for sg in segs) <= torch.cuda.memory_reserved(),
+               "memory_snapshot: segments within memory_reserved")
+        expect(len(torch.cuda.memory_snapshot()) == len(segs), "torch.cuda.memory_snapshot() lists the same segments")
+        from torch.cuda import _memory_viz
+        html = _memory_viz.segment_plot(snap)
+        expect(isinstance(html, str) and len(html) > 1000, "memory_viz.segment_plot renders the snapshot (%d chars)" % len(html))
+        with tempfile.TemporaryDirectory() as d:
+            torch.cuda.memory._dump_snapshot(os.path.join(d, "snap.pickle"))
+            expect(os.path.getsize(os.path.join(d, "snap.pickle")) > 0, "memory._dump_snapshot writes a pickle")
         del x
         a2 = torch.cuda.memory_allocated()
         expect(a2 < a0 + n, "memory_allocated after del: %d" % a2)

@@ -264,6 +264,75 @@ TEST_CASE("PyTorch's memory statistics and empty_cache come from vmmalloc") {
   CHECK(none_largest == 0);
 }
 
+#ifdef VMM_STUB_OLD_API
+cca::SnapshotInfo take_snapshot(mempool_id) { return base().snapshot(); }
+#else
+cca::SnapshotInfo take_snapshot(mempool_id id) { return base().snapshot(id); }
+#endif
+
+TEST_CASE("torch.cuda.memory_snapshot: vmmalloc's segments, blocks tiling them, a graph pool's own") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  const cudaStream_t s = S(0x70), cs = S(0x71);
+  const std::size_t n = std::size_t{5} << 20;
+  void* live = a.alloc_fn_(n + 100, 0, s);
+  void* gone = a.alloc_fn_(n, 0, s);
+  a.free_fn_(gone, n, 0, s);
+  const mempool_id pid{0, 77};
+  a.begin_allocate_to_pool_fn_(0, pid, [cs](cudaStream_t x) { return x == cs; });
+  void* pooled = a.alloc_fn_(1 << 20, 0, cs);
+  a.end_allocate_to_pool_fn_(0, pid);
+
+  const cca::SnapshotInfo snap = take_snapshot({0, 0});
+  REQUIRE(!snap.segments.empty());
+  CHECK(snap.device_traces.size() >= 1);
+  std::uint64_t total = 0, allocated = 0, requested = 0;
+  const cca::BlockInfo* live_block = nullptr;
+  const cca::SegmentInfo* pooled_segment = nullptr;
+  for (const auto& seg : snap.segments) {
+    CHECK(seg.device == 0);
+    std::uint64_t at = static_cast<std::uint64_t>(seg.address), seg_alloc = 0;
+    for (const auto& b : seg.blocks) {  // Python's snapshot gives each block the address it reaches
+      if (at == reinterpret_cast<std::uintptr_t>(live)) live_block = &b;
+      if (at == reinterpret_cast<std::uintptr_t>(pooled)) pooled_segment = &seg;
+      if (b.allocated) {
+        CHECK(b.active);
+        seg_alloc += static_cast<std::uint64_t>(b.size);
+        requested += static_cast<std::uint64_t>(b.requested_size);
+      }
+      at += static_cast<std::uint64_t>(b.size);
+    }
+    CHECK(at == static_cast<std::uint64_t>(seg.address) + static_cast<std::uint64_t>(seg.total_size));
+    CHECK(static_cast<std::uint64_t>(seg.allocated_size) == seg_alloc);
+    total += static_cast<std::uint64_t>(seg.total_size);
+    allocated += seg_alloc;
+  }
+  REQUIRE(live_block != nullptr);
+  CHECK(live_block->allocated);
+  CHECK(static_cast<std::uint64_t>(live_block->requested_size) == n + 100);
+  REQUIRE(pooled_segment != nullptr);
+  CHECK(pooled_segment->owner_private_pool_id == pid);
+  const auto st = base().getDeviceStats(0);
+  CHECK(allocated == static_cast<std::uint64_t>(st.allocated_bytes[0].current));
+  CHECK(total <= static_cast<std::uint64_t>(st.reserved_bytes[0].current));
+
+#ifndef VMM_STUB_OLD_API
+  const cca::SnapshotInfo only = take_snapshot(pid);  // the pool's segments alone
+  REQUIRE(only.segments.size() == 1);
+  CHECK(only.segments[0].owner_private_pool_id == pid);
+  CHECK(only.segments[0].is_expandable);
+#endif
+
+  a.free_fn_(pooled, 1 << 20, 0, cs);
+  a.relase_pool_fn_(0, pid);
+  a.free_fn_(live, n + 100, 0, s);
+  for (const auto& seg : take_snapshot({0, 0}).segments) {
+    CHECK(seg.owner_private_pool_id == mempool_id{0, 0});
+    if (static_cast<std::uint64_t>(seg.address) <= reinterpret_cast<std::uintptr_t>(live) &&
+        reinterpret_cast<std::uintptr_t>(live) < static_cast<std::uint64_t>(seg.address + seg.total_size))
+      CHECK(seg.allocated_size == 0);
+  }
+}
+
 TEST_CASE("set_per_process_memory_fraction sets vmmalloc's limit; get_per_process_memory_fraction reads it") {
   tpa::CUDAPluggableAllocator& a = pluggable();
   cca::CUDAAllocator& b = base();  // torch.cuda.set_per_process_memory_fraction calls through it

@@ -161,6 +161,15 @@ expect(vt.pool_of(a_in) == 11 and vt.pool_of(a_out) is None, "vmmalloc.torch.poo
 expect(lib.vmm_torch_end_pool(6, 11) == 0, "end_pool(6, 11)")
 expect(lib.vmm_torch_end_pool(6, 11) == -1 and "never begun" in vt.last_error(), "end_pool twice: " + vt.last_error())
 expect(lib.vmm_torch_device_of(a_in) == 6, "device_of finds device 6")
+segs = vt.memory_map(6)
+blocks = {b["address"]: (b, seg) for seg in segs for b in seg["blocks"]}
+expect(a_in in blocks and blocks[a_in][0]["state"] == "live" and blocks[a_in][0]["requested"] == 5 * MiB
+       and blocks[a_in][1]["pool"] == 11, "memory_map: the capture's block, live, in pool 11's segment")
+expect(a_out in blocks and blocks[a_out][1]["pool"] == 0, "memory_map: the other block in the device's own heap")
+expect(all(seg["blocks"][0]["address"] == seg["address"] and
+           sum(b["size"] for b in seg["blocks"]) == seg["size"] for seg in segs), "memory_map: blocks tile each segment")
+expect(sum(seg["size"] for seg in segs) == vt.stats(6)["mapped"], "memory_map: the segments are the mapped bytes")
+expect(vt.memory_map(9) == [], "memory_map: [] on a device with no allocator")
 expect(lib.vmm_torch_record_stream(a_out, 0x30) == 0, "record_stream on a live block")
 expect(lib.vmm_torch_record_stream(0x1000, 0x30) == -1 and "not from vmmalloc" in vt.last_error(),
        "record_stream on a foreign pointer: " + vt.last_error())

@@ -93,6 +93,7 @@ struct library {
   int (*set_fraction)(int, double) = nullptr;
   int (*fraction)(int, double*) = nullptr;
   int (*reset_peaks)(int) = nullptr;
+  std::int64_t (*memory_map)(int, std::uint64_t*, std::int64_t) = nullptr;
   const char* (*last_error)() = nullptr;
 };
 library lib;
@@ -287,10 +288,93 @@ struct pool_table {
     std::lock_guard g(mu);
     return static_cast<int>(pools.size());
   }
+
+  // PyTorch's id of vmmalloc pool `vid` on `device`; (0, 0) once PyTorch has let go of it.
+  mempool_id torch_id(int device, std::uint64_t vid) {
+    std::lock_guard g(mu);
+    for (const auto& [k, e] : pools)
+      if (std::get<0>(k) == device && e.id == vid) return {std::get<1>(k), std::get<2>(k)};
+    return {0, 0};
+  }
 };
 pool_table& table() {
   static auto* t = new pool_table;  // never destroyed: graphs die during interpreter shutdown
   return *t;
+}
+
+// ---- torch.cuda.memory_snapshot(): vmmalloc's memory map in PyTorch's form -------------------
+// A segment is a run of contiguous mapped memory (a span of vmmalloc's heap, or a huge block's
+// own chunk), not one cudaMalloc; its blocks tile it in address order, as PyTorch's do (Python
+// computes each block's address from the sizes before it). allocated: the user's; active: also
+// freed blocks waiting for another stream's work ("active_pending_free"); thread-cached and free
+// blocks are "inactive". No history: torch.cuda.memory._record_memory_history stays refused
+// (VMMALLOC_TRACE records every event instead, for vmm-replay).
+template <class F, class V>
+void put(F& field, V v) {
+  field = static_cast<F>(v);
+}
+template <class S>
+auto mark_expandable(S& s, int) -> decltype(s.is_expandable = true, void()) {
+  s.is_expandable = true;  // mapped on demand, as PyTorch's expandable segments are
+}
+template <class S>
+void mark_expandable(S&, long) {}
+
+constexpr int kMapDevices = 256;     // libvmmalloc_torch's device slots
+constexpr std::size_t kMapWords = 8;  // VMM_TORCH_MAP_WORDS: uint64 words per block record
+
+cca::SnapshotInfo snapshot_of(mempool_id only) {
+  cca::SnapshotInfo out{};
+  int devices = 0;  // device_traces: one (empty) list per device up to the last with memory
+  std::vector<std::uint64_t> rec;
+  for (int d = 0; d < kMapDevices; ++d) {
+    std::int64_t n = lib.memory_map(d, nullptr, 0);
+    while (n > 0) {  // the map may grow between the two calls: room for some more
+      rec.resize(static_cast<std::size_t>(n + n / 8 + 16) * kMapWords);
+      const std::int64_t room = static_cast<std::int64_t>(rec.size() / kMapWords);
+      const std::int64_t got = lib.memory_map(d, rec.data(), room);
+      if (got <= room) {
+        n = got;
+        break;
+      }
+      n = got;
+    }
+    TORCH_CHECK(n >= 0, "vmmalloc: memory_snapshot (device ", d, "): ", lib_error());
+    if (n == 0) continue;
+    devices = std::max(devices, d + 1);
+    cca::SegmentInfo* seg = nullptr;
+    std::uint64_t seg_addr = 0;
+    bool keep = false;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::uint64_t* r = &rec[static_cast<std::size_t>(i) * kMapWords];
+      if (!seg || r[0] != seg_addr) {
+        const mempool_id owner = r[2] ? table().torch_id(d, r[2]) : mempool_id{0, 0};
+        keep = only == mempool_id{0, 0} || owner == only;
+        seg = nullptr;
+        seg_addr = r[0];
+        if (!keep) continue;
+        seg = &out.segments.emplace_back();
+        put(seg->device, d);
+        put(seg->address, r[0]);
+        put(seg->total_size, r[1]);
+        seg->is_large = true;  // vmmalloc has no small-block segments in PyTorch's sense
+        mark_expandable(*seg, 0);
+        seg->owner_private_pool_id = owner;
+      }
+      if (!keep) continue;
+      cca::BlockInfo& b = seg->blocks.emplace_back();
+      const std::uint64_t state = r[7];  // 0 free, 1 live, 2 thread-cached, 3 waiting for a stream
+      put(b.size, r[5]);
+      put(b.requested_size, state == 1 ? r[6] : 0);
+      b.allocated = state == 1;
+      b.active = state == 1 || state == 3;
+      put(seg->requested_size, static_cast<std::uint64_t>(seg->requested_size) + (state == 1 ? r[6] : 0));
+      if (b.allocated) put(seg->allocated_size, static_cast<std::uint64_t>(seg->allocated_size) + r[5]);
+      if (b.active) put(seg->active_size, static_cast<std::uint64_t>(seg->active_size) + r[5]);
+    }
+  }
+  out.device_traces.resize(static_cast<std::size_t>(devices));
+  return out;
 }
 
 // ---- what the plain pluggable allocator refuses and graph code asks for --------------------------
@@ -388,6 +472,11 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
     std::lock_guard g(acc_mu);
     acc_base[device] = now;
   }
+
+  // torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot() (memory_viz): every device's
+  // segments, or one pool's (PyTorch 2.6 and later pass the pool; (0, 0) = all).
+  cca::SnapshotInfo snapshot(mempool_id id) { return snapshot_of(id); }
+  cca::SnapshotInfo snapshot() { return snapshot_of({0, 0}); }
 
   int getPoolUseCount(c10::DeviceIndex device, mempool_id id) { return table().uses(device, id); }
   // vmmalloc has no last-resort pools and never splits across them: nothing to set.
@@ -489,6 +578,7 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
     resolve(h, "vmm_torch_set_memory_fraction", l.set_fraction, missing);
     resolve(h, "vmm_torch_memory_fraction", l.fraction, missing);
     resolve(h, "vmm_torch_reset_peaks", l.reset_peaks, missing);
+    resolve(h, "vmm_torch_memory_map", l.memory_map, missing);
     resolve(h, "vmm_torch_last_error", l.last_error, missing);
     if (!missing.empty()) {
       set_error(std::string("vmm_torch_ext_install: ") + lib_path + " lacks " + missing +

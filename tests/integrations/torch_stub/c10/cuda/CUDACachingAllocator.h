@@ -67,6 +67,34 @@ struct CheckpointDelta {
   std::vector<void*> ptrs_freed;
   std::vector<DataPtr> dataptrs_allocd;
 };
+// What snapshot() returns (torch.cuda.memory_snapshot()): 2.11's fields that the extension
+// fills; the older form has int64 sizes and no is_expandable.
+#ifdef VMM_STUB_OLD_API
+using snapshot_size = std::int64_t;
+#else
+using snapshot_size = std::size_t;
+#endif
+struct BlockInfo {
+  snapshot_size size = 0, requested_size = 0;
+  std::int32_t gc_counter = 0;
+  bool allocated = false, active = false;
+};
+struct SegmentInfo {
+  c10::DeviceIndex device = 0;
+  snapshot_size address = 0, total_size = 0, requested_size = 0, allocated_size = 0, active_size = 0;
+  cudaStream_t stream = nullptr;
+  bool is_large = false;
+#ifndef VMM_STUB_OLD_API
+  bool is_expandable = false;
+#endif
+  MempoolId_t owner_private_pool_id = {0, 0};
+  std::vector<BlockInfo> blocks;
+};
+struct TraceEntry {};
+struct SnapshotInfo {
+  std::vector<SegmentInfo> segments;
+  std::vector<std::vector<TraceEntry>> device_traces;
+};
 struct CUDAAllocator {
   virtual ~CUDAAllocator() = default;
   virtual std::string name() = 0;
@@ -77,6 +105,11 @@ struct CUDAAllocator {
   virtual void resetPeakStats(DeviceIndex device) = 0;
   virtual void cacheInfo(DeviceIndex device, size_t* largestBlock) = 0;
   virtual void setMemoryFraction(double fraction, DeviceIndex device) = 0;
+#ifdef VMM_STUB_OLD_API
+  virtual SnapshotInfo snapshot() = 0;
+#else
+  virtual SnapshotInfo snapshot(MempoolId_t mempool_id = {0, 0}) = 0;
+#endif
   virtual std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex, MempoolId_t) = 0;
   virtual CheckpointDelta setCheckpointPoolState(DeviceIndex, std::shared_ptr<AllocatorState>) = 0;
   virtual bool checkPoolLiveAllocations(DeviceIndex, MempoolId_t, const std::unordered_set<void*>&) {

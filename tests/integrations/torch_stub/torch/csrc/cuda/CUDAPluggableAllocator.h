@@ -48,6 +48,13 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
   void resetPeakStats(c10::DeviceIndex) override {
     throw c10::Error("CUDAPluggableAllocator does not yet support resetPeakStats");
   }
+#ifdef VMM_STUB_OLD_API
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
+#else
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t) override {
+#endif
+    throw c10::Error("CUDAPluggableAllocator does not yet support snapshot");
+  }
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
       c10::DeviceIndex, c10::cuda::MempoolId_t) override {
     throw c10::Error("CUDAPluggableAllocator does not yet support getCheckpointState");

@@ -215,12 +215,14 @@ def mode():
 
 def extension_info():
     """In extension mode: {"path", "torch_version" (built against), "mempool" (torch.cuda.MemPool
-    objects work), "pools" (PyTorch pools mapped to vmmalloc pools now)}; else None."""
+    objects work), "snapshot" (torch.cuda.memory_snapshot() gives vmmalloc's memory map), "pools"
+    (PyTorch pools mapped to vmmalloc pools now)}; else None."""
     if _ext is None:
         return None
     return {"path": _ext_path,
             "torch_version": _ext.vmm_torch_ext_torch_version().decode(),
             "mempool": bool(_ext.vmm_torch_ext_features() & 2),
+            "snapshot": bool(_ext.vmm_torch_ext_features() & 4),
             "pools": int(_ext.vmm_torch_ext_pool_count())}
 
 

@@ -123,6 +123,7 @@ def main():
         # torch.cuda.memory_snapshot() and memory._snapshot(): vmmalloc's memory map in PyTorch's
         # form (segments of mapped memory whose blocks tile them), as memory_viz reads it.
         torch.cuda.synchronize()
+        expect(vt.extension_info()["snapshot"], "extension: snapshot() reaches vmmalloc in torch %s" % torch.__version__)
         snap = torch.cuda.memory._snapshot()
         segs = snap["segments"]
         found = [b for sg in segs for b in sg["blocks"] if b["address"] == x.data_ptr()]

@@ -66,7 +66,7 @@ TEST_CASE("install: once, a pluggable allocator with every hook, MemPool support
   CHECK(a.relase_pool_fn_);
   CHECK(a.record_stream_fn_);
   CHECK(a.reset_fn_);
-  CHECK(vmm_torch_ext_features() == 3);  // hooks + MemPool objects
+  CHECK(vmm_torch_ext_features() == 7);  // hooks + MemPool objects + memory snapshot
   CHECK(vmm_torch_ext_install(VMM_TORCH_LIB_PATH) == 0);  // a second call does nothing
   CHECK(vmm_torch_ext_pool_count() == 0);  // the install's probe left nothing behind
 }
@@ -267,7 +267,7 @@ TEST_CASE("PyTorch's memory statistics and empty_cache come from vmmalloc") {
 #ifdef VMM_STUB_OLD_API
 cca::SnapshotInfo take_snapshot(mempool_id) { return base().snapshot(); }
 #else
-cca::SnapshotInfo take_snapshot(mempool_id id) { return base().snapshot(id); }
+cca::SnapshotInfo take_snapshot(mempool_id id) { return base().snapshot(id, true); }
 #endif
 
 TEST_CASE("torch.cuda.memory_snapshot: vmmalloc's segments, blocks tiling them, a graph pool's own") {

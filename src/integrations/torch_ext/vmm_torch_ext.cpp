@@ -404,6 +404,7 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
       : tpa::CUDAPluggableAllocator(std::move(a), std::move(f)) {}
 
   bool mempool_ok = false;  // set by install: MemPool's destructor calls will not throw
+  bool snapshot_ok = false;  // set by install: PyTorch's snapshot call reaches the overrides below
 
   // True when the pool's live blocks are exactly `expected` (PyTorch's definition).
   bool checkPoolLiveAllocations(c10::DeviceIndex device, mempool_id id,
@@ -475,6 +476,8 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
 
   // torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot() (memory_viz): every device's
   // segments, or one pool's (PyTorch 2.6 and later pass the pool; (0, 0) = all).
+  // include_traces: vmmalloc keeps no trace of PyTorch's kind to include.
+  cca::SnapshotInfo snapshot(mempool_id id, bool /*include_traces*/) { return snapshot_of(id); }
   cca::SnapshotInfo snapshot(mempool_id id) { return snapshot_of(id); }
   cca::SnapshotInfo snapshot() { return snapshot_of({0, 0}); }
 
@@ -525,6 +528,36 @@ bool probe_mempool(vmm_allocator& a) {
     return counted;
   } catch (...) {
     table().release(0, probe);
+    return false;
+  }
+}
+
+// snapshot() through the base class, in whichever form this PyTorch declares.
+template <int N>
+struct rank : rank<N - 1> {};
+template <>
+struct rank<0> {};
+template <class A>
+auto base_snapshot(A* a, rank<2>) -> decltype(a->snapshot(mempool_id{}, false)) {
+  return a->snapshot(mempool_id{~0ull, ~0ull}, false);
+}
+template <class A>
+auto base_snapshot(A* a, rank<1>) -> decltype(a->snapshot(mempool_id{})) {
+  return a->snapshot(mempool_id{~0ull, ~0ull});
+}
+template <class A>
+auto base_snapshot(A* a, rank<0>) -> decltype(a->snapshot()) {
+  return a->snapshot();
+}
+
+// Whether torch.cuda.memory_snapshot() reaches vmmalloc: the base class throws where none of the
+// overloads above matches this PyTorch's declaration (a pool PyTorch never makes: nothing listed).
+bool probe_snapshot(vmm_allocator& a) {
+  cca::CUDAAllocator* base = &a;
+  try {
+    (void)base_snapshot(base, rank<2>{});
+    return true;
+  } catch (...) {
     return false;
   }
 }
@@ -617,6 +650,7 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
       TORCH_CHECK(lib.set_fraction(device, f) == 0, "vmmalloc: set_per_process_memory_fraction: ", lib_error());
     });
     a->mempool_ok = probe_mempool(*a);
+    a->snapshot_ok = probe_snapshot(*a);
     // What torch._C._cuda_customAllocator does after creating one (createCustomAllocator): init
     // marks it initialized; its device count argument is unused without an init function.
     a->init(0);
@@ -641,11 +675,12 @@ VMM_EXT_EXPORT int vmm_torch_ext_installed(void) {
 }
 
 // Bit 0: graph pools and record_stream hooks set (always, once installed); bit 1: MemPool
-// objects work (createOrIncrefPool and setUseOnOOM reach vmmalloc in this PyTorch).
+// objects work (createOrIncrefPool and setUseOnOOM reach vmmalloc in this PyTorch); bit 2:
+// torch.cuda.memory_snapshot() reaches vmmalloc.
 VMM_EXT_EXPORT int vmm_torch_ext_features(void) {
   std::lock_guard g(install_mu);
   if (!installed) return 0;
-  return 1 | (installed->mempool_ok ? 2 : 0);
+  return 1 | (installed->mempool_ok ? 2 : 0) | (installed->snapshot_ok ? 4 : 0);
 }
 
 // PyTorch pools the extension maps to vmmalloc pools now (captures not yet released, MemPool

@@ -108,7 +108,7 @@ struct CUDAAllocator {
 #ifdef VMM_STUB_OLD_API
   virtual SnapshotInfo snapshot() = 0;
 #else
-  virtual SnapshotInfo snapshot(MempoolId_t mempool_id = {0, 0}) = 0;
+  virtual SnapshotInfo snapshot(MempoolId_t mempool_id = {0, 0}, bool include_traces = true) = 0;
 #endif
   virtual std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex, MempoolId_t) = 0;
   virtual CheckpointDelta setCheckpointPoolState(DeviceIndex, std::shared_ptr<AllocatorState>) = 0;

@@ -51,7 +51,7 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
 #ifdef VMM_STUB_OLD_API
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
 #else
-  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t) override {
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t, bool) override {
 #endif
     throw c10::Error("CUDAPluggableAllocator does not yet support snapshot");
   }

@@ -178,6 +178,36 @@ TEST_CASE("C API: grant, revoke, class stats, reset peaks, extended stats") {
   CHECK(used == 100);
   CHECK(vmm_get_class_stats(a, nullptr, 4, &n) == VMM_ERROR_INVALID_VALUE);
 
+  // The memory map: the 100 small blocks and the 3 MiB one live, their requested bytes, every
+  // block inside its segment; a short buffer gets what fits and the full count.
+  REQUIRE(vmm_get_memory_map(a, nullptr, 0, &n) == VMM_SUCCESS);
+  REQUIRE(n > 101);
+  std::vector<vmm_block_record> map(n);
+  REQUIRE(vmm_get_memory_map(a, map.data(), n, &n) == VMM_SUCCESS);
+  size_t live_blocks = 0, live_requested = 0, segment_bytes = 0;
+  uintptr_t segment = 0;
+  for (const auto& r : map) {
+    CHECK(r.addr >= r.segment_addr);
+    CHECK(r.addr + r.size <= r.segment_addr + r.segment_size);
+    if (r.segment_addr != segment) segment_bytes += r.segment_size;
+    segment = r.segment_addr;
+    if (r.state == VMM_BLOCK_LIVE) {
+      ++live_blocks;
+      live_requested += r.requested;
+    }
+    if (r.addr == reinterpret_cast<uintptr_t>(big)) CHECK(r.requested == 3 * MiB);
+  }
+  CHECK(live_blocks == 101);
+  CHECK(live_requested == 100 * 1000 + 3 * MiB);
+  CHECK(segment_bytes == s.mapped);
+  vmm_block_record few[3];
+  size_t total = 0;
+  CHECK(vmm_get_memory_map(a, few, 3, &total) == VMM_SUCCESS);
+  CHECK(total == n);
+  CHECK(few[0].addr == map[0].addr);
+  CHECK(vmm_get_memory_map(a, nullptr, 4, &n) == VMM_ERROR_INVALID_VALUE);
+  CHECK(vmm_get_memory_map(nullptr, few, 3, &n) == VMM_ERROR_INVALID_VALUE);
+
   for (void* p : small) vmm_free(a, p);
   vmm_free(a, big);
   REQUIRE(vmm_get_stats(a, &s) == VMM_SUCCESS);

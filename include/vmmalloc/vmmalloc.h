@@ -88,6 +88,24 @@ typedef struct vmm_class_stats {
   size_t slot_size, slabs, slots, used_slots, cached_slots, live_bytes;
 } vmm_class_stats;
 
+/* One block of the memory map (vmm_get_memory_map): the segment of mapped memory it lies in
+ * (a span, or a huge block's own chunk) and the block. Blocks tile their segment in address order. */
+typedef enum vmm_block_state {
+  VMM_BLOCK_FREE = 0,         /* free in the heap (a slab's free slot or unused tail too) */
+  VMM_BLOCK_LIVE = 1,         /* the user's */
+  VMM_BLOCK_CACHED = 2,       /* freed into a thread cache, or a free huge block kept mapped */
+  VMM_BLOCK_PENDING_FREE = 3  /* freed, waiting for another stream's work */
+} vmm_block_state;
+typedef struct vmm_block_record {
+  uintptr_t segment_addr;
+  size_t segment_size;
+  uint64_t pool; /* the graph pool whose heap holds it; 0: the allocator's own */
+  int huge;      /* 1: a huge block's own chunk */
+  uintptr_t addr;
+  size_t size, requested; /* requested: live blocks only */
+  vmm_block_state state;
+} vmm_block_record;
+
 typedef struct vmm_allocator vmm_allocator;
 
 void vmm_policy_init(vmm_policy* policy);
@@ -114,6 +132,10 @@ vmm_status vmm_set_memory_limit(vmm_allocator* a, size_t bytes);
 vmm_status vmm_get_memory_limit(vmm_allocator* a, size_t* bytes); /* 0 = no limit */
 /* Writes up to cap classes to out; *count gets the number of classes (call with cap 0 to size). */
 vmm_status vmm_get_class_stats(vmm_allocator* a, vmm_class_stats* out, size_t cap, size_t* count);
+/* The memory map, one record per block in address order: up to cap records to out; *count gets
+ * the number of blocks (call with cap 0 to size; the map may grow before the next call). Walks
+ * every block under the allocator's lock: diagnostics. */
+vmm_status vmm_get_memory_map(vmm_allocator* a, vmm_block_record* out, size_t cap, size_t* count);
 /* Run-time peer access: every mapped chunk and every later one, one driver call per mapped run. */
 vmm_status vmm_grant(vmm_allocator* a, int device, int read_only);
 vmm_status vmm_revoke(vmm_allocator* a, int device);

@@ -267,6 +267,24 @@ vmm_status vmm_get_class_stats(vmm_allocator* a, vmm_class_stats* out, size_t ca
   }
   return ok();
 }
+vmm_status vmm_get_memory_map(vmm_allocator* a, vmm_block_record* out, size_t cap, size_t* count) {
+  if (!a || !count || (cap && !out)) return invalid("vmm_get_memory_map: NULL argument");
+  static_assert(static_cast<int>(vmm::block_state::pending_free) == VMM_BLOCK_PENDING_FREE);
+  try {
+    size_t n = 0;
+    for (const auto& seg : a->a.memory_map())
+      for (const auto& b : seg.blocks) {
+        if (n < cap)
+          out[n] = {seg.addr, seg.size, seg.pool, seg.huge ? 1 : 0, b.addr, b.size, b.requested,
+                    static_cast<vmm_block_state>(b.state)};
+        ++n;
+      }
+    *count = n;
+  } catch (const std::bad_alloc&) {
+    return set(VMM_ERROR_OUT_OF_MEMORY, "vmm_get_memory_map: host memory");
+  }
+  return ok();
+}
 static vmm_status set_access(vmm_allocator* a, int device, vmm::access_mode m, const char* fn) {
   return allocator_call(a, fn, [&] {
     if (m == vmm::access_mode::none) a->a.revoke(device); else a->a.grant(device, m);

@@ -144,6 +144,31 @@ def main():
         with tempfile.TemporaryDirectory() as d:
             torch.cuda.memory._dump_snapshot(os.path.join(d, "snap.pickle"))
             expect(os.path.getsize(os.path.join(d, "snap.pickle")) > 0, "memory._dump_snapshot writes a pickle")
+        # _record_memory_history: the trace memory_viz's timelines draw, with Python stacks.
+        torch.cuda.memory._record_memory_history(max_entries=1000, stacks="python")
+        y = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        yp = y.data_ptr()
+        live = torch.cuda.memory._snapshot()
+        yb = [b for sg in live["segments"] for b in sg["blocks"] if b["address"] == yp]
+        expect(len(yb) == 1 and any("test_torch_api" in f.get("filename", "") for f in yb[0]["frames"]),
+               "history: the live block carries the frame that allocated it")
+        del y
+        h = torch.cuda.memory._snapshot()
+        trace = h["device_traces"][0] if h["device_traces"] else []
+        allocs = [e for e in trace if e["action"] == "alloc" and e["addr"] == yp]
+        frees = [e for e in trace if e["action"] == "free_completed" and e["addr"] == yp]
+        expect(len(allocs) == 1 and len(frees) == 1 and allocs[0]["size"] == 3 << 20,
+               "history: alloc and free_completed of the 3 MiB tensor (%d entries)" % len(trace))
+        expect(bool(allocs) and any("test_torch_api" in f.get("filename", "") for f in allocs[0]["frames"]),
+               "history: the alloc entry carries this file's Python frame")
+        html = _memory_viz.trace_plot(h)
+        expect(isinstance(html, str) and len(html) > 1000, "memory_viz.trace_plot renders the trace (%d chars)" % len(html))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        z = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        after = torch.cuda.memory._snapshot()["device_traces"]
+        expect(not any(e["addr"] == z.data_ptr() and e["size"] == 1 << 20 for t in after for e in t),
+               "history off: nothing more recorded")
+        del z
         del x
         a2 = torch.cuda.memory_allocated()
         expect(a2 < a0 + n, "memory_allocated after del: %d" % a2)

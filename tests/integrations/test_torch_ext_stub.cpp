@@ -333,6 +333,92 @@ TEST_CASE("torch.cuda.memory_snapshot: vmmalloc's segments, blocks tiling them, 
   }
 }
 
+#ifndef VMM_STUB_OLD_API
+struct test_stack : c10::GatheredContext {};
+int stacks_gathered = 0;
+std::shared_ptr<c10::GatheredContext> gather_stack() {
+  ++stacks_gathered;
+  return std::make_shared<test_stack>();
+}
+
+const cca::BlockInfo* block_at(const cca::SnapshotInfo& snap, const void* p) {
+  for (const auto& seg : snap.segments) {
+    std::uint64_t at = static_cast<std::uint64_t>(seg.address);
+    for (const auto& b : seg.blocks) {
+      if (at == reinterpret_cast<std::uintptr_t>(p)) return &b;
+      at += static_cast<std::uint64_t>(b.size);
+    }
+  }
+  return nullptr;
+}
+
+TEST_CASE("torch.cuda.memory._record_memory_history: the trace, its ring, skipped actions, stacks of live blocks") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  cca::CUDAAllocator& b = base();
+  const cudaStream_t s = S(0x80);
+  CHECK_FALSE(b.isHistoryEnabled());
+  b.recordHistory(true, &gather_stack, 100, cca::RecordContext::ALL, false, {});
+  CHECK(b.isHistoryEnabled());
+  void* p = a.alloc_fn_(3 << 20, 0, s);
+  void* q = a.alloc_fn_(1000, 0, s);
+  a.free_fn_(q, 1000, 0, s);
+  auto snap = take_snapshot({0, 0});
+  REQUIRE(snap.device_traces.size() >= 1);
+  auto tr = snap.device_traces[0];
+  REQUIRE(tr.size() == 4);  // alloc p, alloc q, free_requested q, free_completed q
+  CHECK(tr[0].action_ == cca::TraceEntry::ALLOC);
+  CHECK(tr[0].addr_ == reinterpret_cast<std::uintptr_t>(p));
+  CHECK(tr[0].size_ == std::size_t{3} << 20);
+  CHECK(tr[0].stream_ == s);
+  CHECK(tr[0].context_ != nullptr);
+  CHECK(tr[2].action_ == cca::TraceEntry::FREE_REQUESTED);
+  CHECK(tr[3].action_ == cca::TraceEntry::FREE_COMPLETED);
+  CHECK(tr[3].addr_ == reinterpret_cast<std::uintptr_t>(q));
+  CHECK(tr[3].context_ != nullptr);  // RecordContext::ALL: frees carry stacks too
+  CHECK(tr[0].time_.t_ > 1600000000000000);  // microseconds since 1970
+  CHECK(tr[3].time_.t_ >= tr[0].time_.t_);
+  const cca::BlockInfo* pb = block_at(snap, p);
+  REQUIRE(pb != nullptr);
+  CHECK(pb->allocated);
+  CHECK(pb->context_when_allocated == tr[0].context_);  // the block's frames are its allocation's
+
+  // max_entries 2: the newest two stay. STATE: stacks for live blocks, none in the trace.
+  b.recordHistory(true, &gather_stack, 2, cca::RecordContext::STATE, false, {});
+  CHECK(take_snapshot({0, 0}).device_traces[0].size() == 2);
+  void* r = a.alloc_fn_(2 << 20, 0, s);
+  snap = take_snapshot({0, 0});
+  tr = snap.device_traces[0];
+  REQUIRE(tr.size() == 2);
+  CHECK(tr[1].action_ == cca::TraceEntry::ALLOC);
+  CHECK(tr[1].addr_ == reinterpret_cast<std::uintptr_t>(r));
+  CHECK(tr[1].context_ == nullptr);
+  REQUIRE(block_at(snap, r) != nullptr);
+  CHECK(block_at(snap, r)->context_when_allocated != nullptr);
+
+  // Cleared, "free_requested" skipped: a free leaves free_completed alone.
+  b.recordHistory(true, &gather_stack, 100, cca::RecordContext::ALLOC, true, {"free_requested"});
+  CHECK(take_snapshot({0, 0}).device_traces[0].empty());
+  a.free_fn_(r, 2 << 20, 0, s);
+  tr = take_snapshot({0, 0}).device_traces[0];
+  REQUIRE(tr.size() == 1);
+  CHECK(tr[0].action_ == cca::TraceEntry::FREE_COMPLETED);
+  CHECK(tr[0].context_ == nullptr);  // ALLOC: stacks for allocations only
+
+  // Off: nothing more is recorded, no stack is gathered; the snapshot still works.
+  b.recordHistory(false, nullptr, 0, cca::RecordContext::NEVER, true, {});
+  CHECK_FALSE(b.isHistoryEnabled());
+  const int gathered = stacks_gathered;
+  void* t = a.alloc_fn_(1 << 20, 0, s);
+  a.free_fn_(t, 1 << 20, 0, s);
+  CHECK(stacks_gathered == gathered);
+  snap = take_snapshot({0, 0});
+  CHECK((snap.device_traces.empty() || snap.device_traces[0].empty()));
+  REQUIRE(block_at(snap, p) != nullptr);
+  CHECK(block_at(snap, p)->context_when_allocated == nullptr);
+  a.free_fn_(p, 3 << 20, 0, s);
+}
+#endif
+
 TEST_CASE("set_per_process_memory_fraction sets vmmalloc's limit; get_per_process_memory_fraction reads it") {
   tpa::CUDAPluggableAllocator& a = pluggable();
   cca::CUDAAllocator& b = base();  // torch.cuda.set_per_process_memory_fraction calls through it

@@ -60,6 +60,8 @@
 #include <utility>
 #include <vector>
 
+#include "memory_history.hpp"
+
 #if __has_include(<torch/version.h>)
 #include <torch/version.h>
 #endif
@@ -307,8 +309,26 @@ pool_table& table() {
 // own chunk), not one cudaMalloc; its blocks tile it in address order, as PyTorch's do (Python
 // computes each block's address from the sizes before it). allocated: the user's; active: also
 // freed blocks waiting for another stream's work ("active_pending_free"); thread-cached and free
-// blocks are "inactive". No history: torch.cuda.memory._record_memory_history stays refused
-// (VMMALLOC_TRACE records every event instead, for vmm-replay).
+// blocks are "inactive". While torch.cuda.memory._record_memory_history is on, live blocks carry
+// the stack of their allocation and device_traces the recorded events (memory_history.hpp).
+vmm_torch_history::recorder& history() {
+  static auto* h = new vmm_torch_history::recorder;  // never destroyed: frees run during shutdown
+  return *h;
+}
+
+// PyTorch's id of the graph pool p's block belongs to ((0, 0): none), for history entries.
+mempool_id pool_of_block(void* p, int device) {
+  std::uint64_t vid = 0;
+  return lib.pool_of(p, &vid) == 1 ? table().torch_id(device, vid) : mempool_id{0, 0};
+}
+
+template <class B>
+auto set_stack(B& b, vmm_torch_history::context_ptr ctx, int) -> decltype(b.context_when_allocated = ctx, void()) {
+  b.context_when_allocated = std::move(ctx);  // the frames memory_viz shows for the block
+}
+template <class B>
+void set_stack(B&, vmm_torch_history::context_ptr, long) {}
+
 template <class F, class V>
 void put(F& field, V v) {
   field = static_cast<F>(v);
@@ -327,6 +347,7 @@ cca::SnapshotInfo snapshot_of(mempool_id only) {
   cca::SnapshotInfo out{};
   int devices = 0;  // device_traces: one (empty) list per device up to the last with memory
   std::vector<std::uint64_t> rec;
+  const bool history_kept = history().on();
   for (int d = 0; d < kMapDevices; ++d) {
     std::int64_t n = lib.memory_map(d, nullptr, 0);
     while (n > 0) {  // the map may grow between the two calls: room for some more
@@ -364,6 +385,7 @@ cca::SnapshotInfo snapshot_of(mempool_id only) {
       if (!keep) continue;
       cca::BlockInfo& b = seg->blocks.emplace_back();
       const std::uint64_t state = r[7];  // 0 free, 1 live, 2 thread-cached, 3 waiting for a stream
+      if (state == 1 && history_kept) set_stack(b, history().stack_of(r[4]), 0);
       put(b.size, r[5]);
       put(b.requested_size, state == 1 ? r[6] : 0);
       b.allocated = state == 1;
@@ -373,7 +395,7 @@ cca::SnapshotInfo snapshot_of(mempool_id only) {
       if (b.active) put(seg->active_size, static_cast<std::uint64_t>(seg->active_size) + r[5]);
     }
   }
-  out.device_traces.resize(static_cast<std::size_t>(devices));
+  out.device_traces = history().traces(static_cast<std::size_t>(devices));
   return out;
 }
 
@@ -476,7 +498,21 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
 
   // torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot() (memory_viz): every device's
   // segments, or one pool's (PyTorch 2.6 and later pass the pool; (0, 0) = all).
-  // include_traces: vmmalloc keeps no trace of PyTorch's kind to include.
+  // torch.cuda.memory._record_memory_history (memory_history.hpp), in each form PyTorch declared.
+  void recordHistory(bool enabled, cca::CreateContextFn gather, size_t max_entries, cca::RecordContext when,
+                     bool clear, const std::vector<std::string>& skip) {
+    set_history(enabled, gather, max_entries, when, clear, skip);
+  }
+  void recordHistory(bool enabled, cca::CreateContextFn gather, size_t max_entries, cca::RecordContext when,
+                     bool clear) {
+    set_history(enabled, gather, max_entries, when, clear, {});
+  }
+  void recordHistory(bool enabled, cca::CreateContextFn gather, size_t max_entries, cca::RecordContext when) {
+    set_history(enabled, gather, max_entries, when, false, {});
+  }
+  bool isHistoryEnabled() { return history().on(); }
+
+  // include_traces: the trace is small (max_entries); it always comes along.
   cca::SnapshotInfo snapshot(mempool_id id, bool /*include_traces*/) { return snapshot_of(id); }
   cca::SnapshotInfo snapshot(mempool_id id) { return snapshot_of(id); }
   cca::SnapshotInfo snapshot() { return snapshot_of({0, 0}); }
@@ -488,6 +524,15 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
   void setNoSplit(c10::DeviceIndex, mempool_id) {}
 
  private:
+  static void set_history(bool enabled, cca::CreateContextFn gather, size_t max_entries, cca::RecordContext when,
+                          bool clear, const std::vector<std::string>& skip) {
+    TORCH_CHECK(!enabled || vmm_torch_history::available,
+                "vmmalloc: torch.cuda.memory._record_memory_history needs the trace entries of PyTorch "
+                "2.11 (this extension was built against ", TORCH_VERSION, "); memory_snapshot() works "
+                "without it, and VMMALLOC_TRACE records every allocation for vmm-replay");
+    history().set(enabled, gather, max_entries, when, clear, skip);
+  }
+
   void incref(c10::DeviceIndex device, mempool_id id, cca::CUDAAllocator* a) {
     TORCH_CHECK(mempool_ok,
                 "vmmalloc: torch.cuda.MemPool needs allocator hooks this PyTorch build does not let "
@@ -626,14 +671,19 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
     // PyTorch's own allocator: code that catches it to retry smaller or free caches works.
     auto a = std::make_shared<vmm_allocator>(
         [](size_t n, int device, cudaStream_t s) -> void* {
+          void* p = nullptr;
           try {
-            return lib.malloc(static_cast<ssize_t>(n), device, s);
+            p = lib.malloc(static_cast<ssize_t>(n), device, s);
           } catch (const std::bad_alloc& e) {
             TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
           }
-          return nullptr;
+          if (p && history().on()) history().allocated(p, n, device, s, pool_of_block(p, device));
+          return p;
         },
-        [](void* p, size_t n, int device, cudaStream_t s) { lib.free(p, static_cast<ssize_t>(n), device, s); });
+        [](void* p, size_t n, int device, cudaStream_t s) {
+          if (p && history().on()) history().freed(p, n, device, s, pool_of_block(p, device));
+          lib.free(p, static_cast<ssize_t>(n), device, s);
+        });
     a->set_begin_allocate_to_pool([](int device, mempool_id id, stream_filter filter) {
       table().begin(device, id, std::move(filter));
     });

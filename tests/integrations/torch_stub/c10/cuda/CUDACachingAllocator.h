@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstdint>
+#include <ctime>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -35,6 +36,9 @@ std::string str(const A&... a) {
   (o << ... << a);
   return o.str();
 }
+struct GatheredContext {  // a captured stack (c10/util: Python and C++ frames in PyTorch)
+  virtual ~GatheredContext() = default;
+};
 struct DataPtr {
   void* p = nullptr;
   void* get() const { return p; }
@@ -78,6 +82,9 @@ struct BlockInfo {
   snapshot_size size = 0, requested_size = 0;
   std::int32_t gc_counter = 0;
   bool allocated = false, active = false;
+#ifndef VMM_STUB_OLD_API
+  std::shared_ptr<GatheredContext> context_when_allocated;
+#endif
 };
 struct SegmentInfo {
   c10::DeviceIndex device = 0;
@@ -90,7 +97,36 @@ struct SegmentInfo {
   MempoolId_t owner_private_pool_id = {0, 0};
   std::vector<BlockInfo> blocks;
 };
-struct TraceEntry {};
+#ifdef VMM_STUB_OLD_API
+struct TraceEntry {};  // an older release's entry: the extension builds without history
+#else
+using approx_time_t = std::int64_t;
+struct TraceEntry {
+  enum Action { ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, SNAPSHOT, OOM };
+  TraceEntry(Action action, c10::DeviceIndex device, std::size_t addr, std::size_t size, cudaStream_t stream,
+             MempoolId_t mempool, approx_time_t time, std::shared_ptr<GatheredContext> context = nullptr,
+             std::string compile_context = "", std::string user_metadata = "")
+      : action_(action), device_(device), addr_(addr), context_(std::move(context)), stream_(stream), size_(size),
+        mempool_(std::move(mempool)), compile_context_(std::move(compile_context)),
+        user_metadata_(std::move(user_metadata)) {
+    time_.approx_t_ = time;
+  }
+  Action action_;
+  c10::DeviceIndex device_;
+  std::size_t addr_;
+  std::shared_ptr<GatheredContext> context_;
+  cudaStream_t stream_{};
+  std::size_t size_;
+  MempoolId_t mempool_;
+  union {
+    std::time_t t_;
+    approx_time_t approx_t_;
+  } time_{};
+  std::string compile_context_, user_metadata_;
+};
+#endif
+enum struct RecordContext { NEVER = 0, STATE = 1, ALLOC = 2, ALL = 3 };
+using CreateContextFn = std::shared_ptr<GatheredContext> (*)();
 struct SnapshotInfo {
   std::vector<SegmentInfo> segments;
   std::vector<std::vector<TraceEntry>> device_traces;
@@ -109,6 +145,11 @@ struct CUDAAllocator {
   virtual SnapshotInfo snapshot() = 0;
 #else
   virtual SnapshotInfo snapshot(MempoolId_t mempool_id = {0, 0}, bool include_traces = true) = 0;
+#endif
+#ifndef VMM_STUB_OLD_API
+  virtual bool isHistoryEnabled() { throw Error(name() + " does not yet support recordHistory"); }
+  virtual void recordHistory(bool enabled, CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                             RecordContext when, bool clearHistory, const std::vector<std::string>& skip_actions) = 0;
 #endif
   virtual std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex, MempoolId_t) = 0;
   virtual CheckpointDelta setCheckpointPoolState(DeviceIndex, std::shared_ptr<AllocatorState>) = 0;

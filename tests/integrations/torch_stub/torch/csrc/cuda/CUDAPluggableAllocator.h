@@ -55,6 +55,12 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
 #endif
     throw c10::Error("CUDAPluggableAllocator does not yet support snapshot");
   }
+#ifndef VMM_STUB_OLD_API
+  void recordHistory(bool, c10::cuda::CUDACachingAllocator::CreateContextFn, size_t,
+                     c10::cuda::CUDACachingAllocator::RecordContext, bool, const std::vector<std::string>&) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support recordHistory");
+  }
+#endif
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
       c10::DeviceIndex, c10::cuda::MempoolId_t) override {
     throw c10::Error("CUDAPluggableAllocator does not yet support getCheckpointState");

@@ -72,7 +72,7 @@ struct CheckpointDelta {
   std::vector<DataPtr> dataptrs_allocd;
 };
 // What snapshot() returns (torch.cuda.memory_snapshot()): 2.11's fields that the extension
-// fills; the older form has int64 sizes and no is_expandable.
+// fills; the older form has int64 sizes, no is_expandable and no history (an empty TraceEntry).
 #ifdef VMM_STUB_OLD_API
 using snapshot_size = std::int64_t;
 #else

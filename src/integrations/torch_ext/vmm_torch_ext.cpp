@@ -322,6 +322,16 @@ mempool_id pool_of_block(void* p, int device) {
   return lib.pool_of(p, &vid) == 1 ? table().torch_id(device, vid) : mempool_id{0, 0};
 }
 
+// An allocation or free into the history. A failure to record (no host memory for the entry, a
+// stack that cannot be gathered) must not fail or leak the allocation: the entry is dropped.
+void note_history(bool allocated, void* p, size_t n, int device, cudaStream_t s) noexcept {
+  try {
+    if (allocated) history().allocated(p, n, device, s, pool_of_block(p, device));
+    else history().freed(p, n, device, s, pool_of_block(p, device));
+  } catch (...) {
+  }
+}
+
 template <class B>
 auto set_stack(B& b, vmm_torch_history::context_ptr ctx, int) -> decltype(b.context_when_allocated = ctx, void()) {
   b.context_when_allocated = std::move(ctx);  // the frames memory_viz shows for the block
@@ -496,8 +506,6 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
     acc_base[device] = now;
   }
 
-  // torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot() (memory_viz): every device's
-  // segments, or one pool's (PyTorch 2.6 and later pass the pool; (0, 0) = all).
   // torch.cuda.memory._record_memory_history (memory_history.hpp), in each form PyTorch declared.
   void recordHistory(bool enabled, cca::CreateContextFn gather, size_t max_entries, cca::RecordContext when,
                      bool clear, const std::vector<std::string>& skip) {
@@ -512,7 +520,9 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
   }
   bool isHistoryEnabled() { return history().on(); }
 
-  // include_traces: the trace is small (max_entries); it always comes along.
+  // torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot() (memory_viz): every device's
+  // segments, or one pool's (PyTorch 2.6 and later pass the pool; (0, 0) = all). include_traces:
+  // the trace is small (max_entries); it always comes along.
   cca::SnapshotInfo snapshot(mempool_id id, bool /*include_traces*/) { return snapshot_of(id); }
   cca::SnapshotInfo snapshot(mempool_id id) { return snapshot_of(id); }
   cca::SnapshotInfo snapshot() { return snapshot_of({0, 0}); }
@@ -677,11 +687,11 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
           } catch (const std::bad_alloc& e) {
             TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
           }
-          if (p && history().on()) history().allocated(p, n, device, s, pool_of_block(p, device));
+          if (p && history().on()) note_history(true, p, n, device, s);
           return p;
         },
         [](void* p, size_t n, int device, cudaStream_t s) {
-          if (p && history().on()) history().freed(p, n, device, s, pool_of_block(p, device));
+          if (p && history().on()) note_history(false, p, n, device, s);
           lib.free(p, static_cast<ssize_t>(n), device, s);
         });
     a->set_begin_allocate_to_pool([](int device, mempool_id id, stream_filter filter) {

@@ -292,19 +292,15 @@ def memory_map(device=0):
     same memory in PyTorch's form."""
     lib = load()
     words = 8  # VMM_TORCH_MAP_WORDS
-    n = lib.vmm_torch_memory_map(int(device), None, 0)
-    while True:
+    room = 1024
+    while True:  # one walk when the map fits; it may grow between two calls: room for some more
+        buf = (ctypes.c_uint64 * (room * words))()
+        n = lib.vmm_torch_memory_map(int(device), buf, room)
         if n < 0:
             raise RuntimeError(last_error())
-        room = n + n // 8 + 16
-        buf = (ctypes.c_uint64 * (room * words))()
-        got = lib.vmm_torch_memory_map(int(device), buf, room)
-        if got <= room:
-            n = got
+        if n <= room:
             break
-        n = got
-    if n < 0:
-        raise RuntimeError(last_error())
+        room = n + n // 8 + 16
     segments = []
     for i in range(n):
         r = buf[i * words:(i + 1) * words]

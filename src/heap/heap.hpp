@@ -82,8 +82,8 @@ class heap {
   // Per size class: slabs, slots, used slots, live bytes. Walks the page map (slow path).
   std::vector<class_occupancy> occupancy() const;
   span_free_stats span_free() const;
-  // Appends this heap's spans and huge blocks to `out` as segments tagged `pool`, every block and
-  // slab slot with its state. Walks all metadata: for diagnostics (PyTorch's memory snapshot).
+  // Appends this heap's spans and huge blocks to `out` as segments tagged `pool` (in no order),
+  // every block and slab slot with its state in address order. Walks all metadata: diagnostics.
   void memory_map(std::uint64_t pool, std::vector<segment_info>& out) const;
 
   // A growth this heap's allocate() parked (arena::defer_growth), run and installed by the front

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// memory_map(): every span and huge block of the heap as a segment of blocks in address order.
+// memory_map(): every span and huge block of the heap as a segment of blocks in address order
+// (the segments themselves unordered: the allocator sorts its heaps' together).
 #include <unordered_set>
 
 #include "heap/heap_impl.hpp"
@@ -52,7 +53,6 @@ void heap::memory_map(std::uint64_t pool, std::vector<segment_info>& out) const 
     v.push_back(bi);
   };
 
-  const std::size_t first = out.size();
   for (auto& [end, sentinel] : m.span_ends) {
     std::vector<const block*> chain;  // the span's blocks, last first
     for (const block* b = sentinel->prev_phys; b; b = b->prev_phys) chain.push_back(b);
@@ -75,8 +75,6 @@ void heap::memory_map(std::uint64_t pool, std::vector<segment_info>& out) const 
       block_of(b, seg.blocks);
       out.push_back(std::move(seg));
     }
-  std::sort(out.begin() + static_cast<std::ptrdiff_t>(first), out.end(),
-            [](const segment_info& x, const segment_info& y) { return x.addr < y.addr; });
 }
 
 }  // namespace vmm

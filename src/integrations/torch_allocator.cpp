@@ -403,13 +403,17 @@ int vmm_torch_initialized(int device) { return existing(device) ? 1 : 0; }
 
 const char* vmm_torch_stat_names(void) { return kStatNames; }
 
+// The arguments of a call that copies up to n values of a device's allocator into out.
+static bool bad_out_args(const char* what, int device, const void* out, std::int64_t n) {
+  if (device >= 0 && device < kMaxDevices && (n == 0 || out) && n >= 0) return false;
+  set_error(std::string("vmmalloc_torch: ") + what + ": bad argument (device " + std::to_string(device) + ")");
+  return true;
+}
+
 static_assert(static_cast<int>(vmm::block_state::pending_free) == 3, "vmmalloc_torch.h numbers the states");
 
 int64_t vmm_torch_memory_map(int device, uint64_t* out, int64_t n) try {
-  if (device < 0 || device >= kMaxDevices || (n > 0 && !out) || n < 0) {
-    set_error("vmmalloc_torch: memory_map: bad argument (device " + std::to_string(device) + ")");
-    return -1;
-  }
+  if (bad_out_args("memory_map", device, out, n)) return -1;
   vmm::allocator* a = existing(device);
   if (!a) return 0;
   try {
@@ -440,10 +444,7 @@ int64_t vmm_torch_memory_map(int device, uint64_t* out, int64_t n) try {
 }
 
 int vmm_torch_stats(int device, uint64_t* out, int n) try {
-  if (device < 0 || device >= kMaxDevices || (n > 0 && !out) || n < 0) {
-    set_error("vmmalloc_torch: stats: bad argument (device " + std::to_string(device) + ")");
-    return -1;
-  }
+  if (bad_out_args("stats", device, out, n)) return -1;
   vmm::allocator* a = existing(device);
   if (!a) return 0;
   try {

@@ -170,6 +170,11 @@ expect(all(seg["blocks"][0]["address"] == seg["address"] and
            sum(b["size"] for b in seg["blocks"]) == seg["size"] for seg in segs), "memory_map: blocks tile each segment")
 expect(sum(seg["size"] for seg in segs) == vt.stats(6)["mapped"], "memory_map: the segments are the mapped bytes")
 expect(vt.memory_map(9) == [], "memory_map: [] on a device with no allocator")
+many = [lib.vmm_torch_try_malloc(1000, 6, 0x20) for _ in range(1500)]  # more records than the first buffer
+live_many = sum(1 for seg in vt.memory_map(6) for b in seg["blocks"] if b["state"] == "live" and b["requested"] == 1000)
+expect(live_many == 1500, "memory_map: a map larger than its first buffer comes whole (%d of 1500 blocks)" % live_many)
+for q in many:
+    lib.vmm_torch_free(q, 1000, 6, 0x20)
 expect(lib.vmm_torch_record_stream(a_out, 0x30) == 0, "record_stream on a live block")
 expect(lib.vmm_torch_record_stream(0x1000, 0x30) == -1 and "not from vmmalloc" in vt.last_error(),
        "record_stream on a foreign pointer: " + vt.last_error())

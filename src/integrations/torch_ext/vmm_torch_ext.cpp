@@ -356,19 +356,15 @@ constexpr std::size_t kMapWords = 8;  // VMM_TORCH_MAP_WORDS: uint64 words per b
 cca::SnapshotInfo snapshot_of(mempool_id only) {
   cca::SnapshotInfo out{};
   int devices = 0;  // device_traces: one (empty) list per device up to the last with memory
-  std::vector<std::uint64_t> rec;
+  std::vector<std::uint64_t> rec(std::size_t{4096} * kMapWords);  // grown when a map is larger
   const bool history_kept = history().on();
   for (int d = 0; d < kMapDevices; ++d) {
-    std::int64_t n = lib.memory_map(d, nullptr, 0);
-    while (n > 0) {  // the map may grow between the two calls: room for some more
+    std::int64_t n = 0;
+    for (;;) {  // one walk when the map fits; it may grow between two calls: room for some more
+      const auto room = static_cast<std::int64_t>(rec.size() / kMapWords);
+      n = lib.memory_map(d, rec.data(), room);
+      if (n <= room) break;
       rec.resize(static_cast<std::size_t>(n + n / 8 + 16) * kMapWords);
-      const std::int64_t room = static_cast<std::int64_t>(rec.size() / kMapWords);
-      const std::int64_t got = lib.memory_map(d, rec.data(), room);
-      if (got <= room) {
-        n = got;
-        break;
-      }
-      n = got;
     }
     TORCH_CHECK(n >= 0, "vmmalloc: memory_snapshot (device ", d, "): ", lib_error());
     if (n == 0) continue;

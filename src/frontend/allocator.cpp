@@ -515,14 +515,15 @@ status allocator::try_export_ipc(void* p, ipc::export_handle& out) noexcept {
   try {
     std::lock_guard g(m.mu);
     std::vector<std::uint32_t> ids;
-    std::size_t bytes = 0;
-    st = m.owner_of(reinterpret_cast<std::uintptr_t>(p)).export_chunks(reinterpret_cast<std::uintptr_t>(p), ids, bytes);
+    std::size_t bytes = 0, offset = 0;
+    const auto u = reinterpret_cast<std::uintptr_t>(p);
+    st = m.owner_of(u).export_chunks(u, ids, bytes, offset);
     if (st.ok()) {
       ipc::export_handle h;  // closes the fds already exported if a later chunk fails
       h.kind = m.ar->props().ipc;
       h.device = m.ar->opts().device;
       h.size = bytes;
-      h.offset = 0;  // whole-chunk allocations start at their first chunk
+      h.offset = offset;
       for (auto id : ids) {
         auto r = m.ar->export_chunk(id);
         if (!r.ok()) {

@@ -70,10 +70,13 @@ class heap {
   status deallocate(std::uintptr_t p, stream_t s);
   // The block is also used on `s`: its free waits for a fence on `s` too.
   status record_stream(std::uintptr_t p, stream_t s);
-  // Export (ipc policy): the chunks of the live allocation starting at p, in VA order, and its
-  // requested bytes. Marks it exported: when freed its chunks are released, never reused, so an
-  // importer that still maps them sees nothing but this allocation.
-  status export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& chunk_ids, std::size_t& bytes);
+  // Export (ipc policy): the chunks under the live allocation starting at p, in VA order, its
+  // requested bytes and where it starts in the first chunk. With whole chunks it marks the block
+  // exported: when freed its chunks are released, never reused, so an importer that still maps
+  // them sees nothing but this allocation. Without (ipc_whole_chunks off) the chunks hold
+  // neighbours too, and are reused as usual once the block is freed.
+  status export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& chunk_ids, std::size_t& bytes,
+                       std::size_t& offset);
   // Bytes usable at p (0 if p is not a live allocation) and bytes requested for it.
   std::size_t usable_size(std::uintptr_t p) const;
 

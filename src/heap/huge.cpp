@@ -167,10 +167,27 @@ void heap::adopt_growth(const arena::growth& g) {
   m.grown(g.pressed);
 }
 
-status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes) {
+status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes,
+                           std::size_t& offset) {
   auto& m = *p_;
-  if (!m.whole_chunks())
+  if (m.a.props().ipc == ipc_kind::none)
     return fail(errc::not_supported, "export: the policy is not exportable (options.ipc is none)");
+  if (!m.whole_chunks()) {
+    // Blocks share chunks (ipc_whole_chunks off): the chunks under the block, neighbours and all.
+    // Nothing is marked: the block is freed and its chunks reused as any other.
+    const std::size_t n = usable_size(p);
+    if (!n) return fail(errc::invalid_pointer, "export: pointer is not the start of a live allocation");
+    ids.clear();
+    const std::uint32_t first = m.a.chunk_at(p);
+    offset = p - m.a.get(first).va;
+    for (std::uintptr_t va = m.a.get(first).va; va < p + n;) {
+      std::uint32_t id = m.a.chunk_at(va);
+      ids.push_back(id);
+      va += m.a.get(id).size;
+    }
+    bytes = requested_size(p);
+    return {};
+  }
   impl::block* b = m.a.contains(p) ? m.block_at(p) : nullptr;
   if (!b || !(b->flags & impl::f_huge) || (b->flags & impl::f_free))
     return fail(errc::invalid_pointer, "export: pointer is not the start of a live allocation");
@@ -183,6 +200,7 @@ status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, st
     va += m.a.get(id).size;
   }
   bytes = b->requested();
+  offset = 0;  // a whole-chunk allocation starts its first chunk
   b->flags |= impl::f_exported;
   return {};
 }

@@ -4,8 +4,10 @@
 // chunks and nothing else), and the exporter freeing while an importer maps.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "ipc_test_util.hpp"
 #include "vmmalloc/ipc.hpp"
@@ -89,6 +91,52 @@ TEST_CASE("allocator export: bad pointers and non-exportable policies are errors
   CHECK_FALSE(plain.try_export_ipc(r, h).ok());
   CHECK(h.chunks.empty());
   plain.deallocate(r);
+}
+
+TEST_CASE("allocator export, shared chunks: the chunks under the block, at its offset, of any size") {
+  options o = ipc_options();
+  o.ipc_whole_chunks = false;  // blocks share chunks, as PyTorch's tensors do
+  auto a = allocator::host(o);
+  // A slab slot, a span block and a huge block; small ones share one chunk.
+  void* s1 = a.allocate(64);
+  void* s2 = a.allocate(64);
+  void* mid = a.allocate(MiB + 300);
+  const std::size_t big = 300 * MiB;
+  void* huge = a.allocate(big);
+  {
+    ipc::export_handle h1 = a.export_ipc(s1), h2 = a.export_ipc(s2);  // one slab: one chunk
+    CHECK(h2.offset != h1.offset);
+    CHECK(h2.mapping_size() == h1.mapping_size());
+  }
+  for (auto [p, n, v] : {std::tuple{s2, std::size_t{64}, std::uint8_t{11}}, std::tuple{mid, MiB + 300, std::uint8_t{12}},
+                         std::tuple{huge, big, std::uint8_t{13}}}) {
+    CAPTURE(n);
+    std::memset(s1, 0x5A, 64);
+    ipct::fill(p, n, v);
+    ipc::export_handle h = a.export_ipc(p);
+    CHECK(h.size == n);
+    CHECK(h.offset < h.chunks.front().size);
+    CHECK(h.offset + n <= h.mapping_size());
+    CHECK(ipc::validate(h, true).ok());
+    auto b = make_backend<host_backend>();
+    ipc::imported m = ipc::import(*b, std::move(h));
+    CHECK(ipct::mismatches(m.get(), n, v) == 0);  // the block's bytes at the handle's offset
+    ipct::fill(m.get(), n, static_cast<std::uint8_t>(v + 100));
+    CHECK(ipct::mismatches(p, n, static_cast<std::uint8_t>(v + 100)) == 0);
+    const auto* n1 = static_cast<const std::uint8_t*>(s1);
+    CHECK(std::count(n1, n1 + 64, std::uint8_t{0x5A}) == 64);  // the neighbour's bytes were not written
+    m.close();
+  }
+  ipc::export_handle h;
+  CHECK(a.try_export_ipc(static_cast<char*>(mid) + 256, h).kind == errc::invalid_pointer);  // interior
+  a.deallocate(mid);
+  CHECK(a.try_export_ipc(mid, h).kind == errc::invalid_pointer);  // freed
+  CHECK(h.chunks.empty());
+  // Freed shared blocks are reused as usual: nothing is marked exported.
+  void* again = a.allocate(MiB + 300);
+  CHECK(a.stats().exported_released == 0);
+  for (void* p : {s1, s2, huge, again}) a.deallocate(p);
+  CHECK(a.check() == "");
 }
 
 TEST_CASE("allocator export, security: the importer maps the allocation's own chunks and nothing else") {

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "torch_lib.hpp"
 #include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -153,6 +154,9 @@ std::vector<std::pair<const vmm::option_info*, std::string>> options_list(const 
 vmm::options options_from_env(int device, peer_spec& peers) {
   vmm::options o;
   o.device = device;
+  // Tensors share chunks also with VMMALLOC_IPC set (no 2 MiB floor per tensor); a shared
+  // tensor's handle carries the chunks under it, as PyTorch's own sharing does.
+  o.ipc_whole_chunks = false;
   auto apply = [&](const vmm::option_info& row, std::string text, const std::string& label) {
     std::string why;
     if (row.kind == vmm::option_kind::peers) {
@@ -364,6 +368,13 @@ void* do_malloc(ssize_t size, int device, void* stream, bool throwing) {
 
 }  // namespace
 
+namespace vmm::torch_lib {
+vmm::allocator* existing_allocator(int d) noexcept { return existing(d); }
+vmm::allocator* allocator_of(int d) noexcept { return get(d); }
+vmm::backend_iface* backend_of(int d) noexcept { return existing(d) ? slots[d].backend : nullptr; }
+void set_last_error(const std::string& s) noexcept { set_error(s); }
+}  // namespace vmm::torch_lib
+
 extern "C" {
 
 void* vmm_torch_malloc(ssize_t size, int device, void* stream) {
@@ -387,6 +398,7 @@ void vmm_torch_free(void* ptr, ssize_t /*size*/, int device, void* stream) try {
     if (device >= 0 && device < kMaxDevices) slots[device].free_failures.fetch_add(1, std::memory_order_relaxed);
     return;
   }
+  vmm::torch_lib::forget_share(ptr);  // its exported fds close before the block can be reused
   // The stream the block was allocated on (PyTorch and CuPy pass it back): reuse on that stream
   // is immediate, other streams wait for a fence recorded after this point.
   vmm::status st = a->try_deallocate(ptr, stream);

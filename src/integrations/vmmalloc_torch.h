@@ -126,6 +126,28 @@ int vmm_torch_pool_stats(int device, uint64_t pool, uint64_t* live, uint64_t* al
 #define VMM_TORCH_MAP_WORDS 8
 int64_t vmm_torch_memory_map(int device, uint64_t* out, int64_t n);
 
+/* ---- sharing with other processes (torch.multiprocessing's CUDA tensors) ----------------------
+ * The extension's shareIpcHandle / getIpcDevPtr. Needs exportable memory: VMMALLOC_IPC=posix_fd
+ * (set before the device's first allocation; blocks still share chunks here, as
+ * VMMALLOC_IPC_WHOLE_CHUNKS defaults to 0 in this library). The handle names the chunks under the
+ * block (neighbours' bytes too, as PyTorch's own sharing does), this process's pid and the fd
+ * numbers of those chunks; the receiver copies the fds with pidfd_getfd (Linux 5.6, and ptrace
+ * rights over the sender: the same user, and under Yama ptrace_scope 1 the sender must be the
+ * receiver's descendant). The exporter keeps the fds open until the block is freed.
+ *
+ * vmm_torch_share: the handle of the live block starting at ptr; writes it when it fits in cap
+ * bytes and returns its length (call again with room when it is larger), -1 + last error. The
+ * same block gives the same bytes until it is freed. */
+int64_t vmm_torch_share(const void* ptr, char* out, int64_t cap);
+/* Maps a handle from vmm_torch_share (this or another process) on `device`: the block's address
+ * here, or NULL + last error (the message says why: not a vmmalloc handle, the sender exited or
+ * freed the block, no pidfd rights ...). Close it with vmm_torch_close_import. */
+void* vmm_torch_import(int device, const char* bytes, int64_t n);
+/* Unmaps an import (no kernel may still use it). 0, or -1 + last error. */
+int vmm_torch_close_import(void* ptr);
+/* Blocks shared and not yet freed, and imports not yet closed, in this process. Returns 0. */
+int vmm_torch_share_counts(uint64_t* shared, uint64_t* imported);
+
 /* The options in effect for `device` ("" when it has no allocator), for logs. Valid until the next
  * call of this function on the same thread. */
 const char* vmm_torch_config(int device);

@@ -10,11 +10,18 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <unordered_set>
 
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include "vmmalloc_torch.h"  // linked: the same copy the extension dlopens by its path
@@ -465,4 +472,94 @@ TEST_CASE("set_per_process_memory_fraction sets vmmalloc's limit; get_per_proces
   CHECK_THROWS_WITH_AS(b.setMemoryFraction(2.0, d), doctest::Contains("fraction must lie in [0, 1]"), c10::Error);
   CHECK(vmm_torch_memory_fraction(d, &f) == 0);
   CHECK(f == 1.0);
+}
+
+TEST_CASE("torch.multiprocessing's CUDA tensors: shareIpcHandle and getIpcDevPtr, here and in a forked receiver") {
+  tpa::CUDAPluggableAllocator& a = pluggable();
+  cca::CUDAAllocator& b = base();  // torch's StorageSharing calls through it
+  const cudaStream_t s = S(0x80);
+  // Memory that is not exportable (no VMMALLOC_IPC) is refused with what to set.
+  void* plain = a.alloc_fn_(4096, 0, s);
+  CHECK_THROWS_WITH_AS(b.shareIpcHandle(plain), doctest::Contains("VMMALLOC_IPC=posix_fd"), c10::Error);
+  a.free_fn_(plain, 4096, 0, s);
+
+  const int d = 3;
+  setenv("VMMALLOC_IPC", "posix_fd", 1);
+  REQUIRE(vmm_torch_init(d) == 0);
+  unsetenv("VMMALLOC_IPC");
+  const std::size_t n = std::size_t{3} << 20;
+  void* small = a.alloc_fn_(1000, d, s);  // tensors still share chunks
+  void* t = a.alloc_fn_(n, d, s);
+  void* t2 = a.alloc_fn_(n, d, s);
+  auto* bytes = static_cast<unsigned char*>(t);
+  for (std::size_t i = 0; i < n; ++i) bytes[i] = static_cast<unsigned char>(i * 131 + 7);
+  std::memset(small, 0x33, 1000);
+
+  const cca::ShareableHandle h = b.shareIpcHandle(t);
+  CHECK(h.offset == 0);
+  CHECK(h.handle.size() > 24);
+  CHECK(b.shareIpcHandle(t).handle == h.handle);   // the same block, the same bytes
+  CHECK(b.shareIpcHandle(t2).handle != h.handle);
+  std::uint64_t shared = 0, imported = 0;
+  CHECK(vmm_torch_share_counts(&shared, &imported) == 0);
+  CHECK(shared == 2);
+  CHECK_THROWS_AS(b.shareIpcHandle(static_cast<char*>(t) + 256), c10::Error);  // not a block start
+
+  // A receiver in this process, on another device (torch sets the storage's device first).
+  c10::cuda::stub_current_device = 4;
+  {
+    std::shared_ptr<void> m = b.getIpcDevPtr(h.handle);
+    REQUIRE(m);
+    CHECK(m.get() != t);
+    CHECK(std::memcmp(m.get(), t, n) == 0);
+    static_cast<unsigned char*>(m.get())[0] = 0xA5;  // one memory: the sender sees the write
+    CHECK(bytes[0] == 0xA5);
+    CHECK(b.getIpcDevPtr(h.handle).get() == m.get());  // one mapping while a storage uses it
+    CHECK(vmm_torch_share_counts(nullptr, &imported) == 0);
+    CHECK(imported == 1);
+  }
+  CHECK(vmm_torch_share_counts(nullptr, &imported) == 0);
+  CHECK(imported == 0);  // unmapped with the last storage
+
+  // A receiver in another process: the fds come through pidfd_getfd.
+  const pid_t child = fork();
+  if (child == 0) {
+    int rc = 0;
+    try {
+      std::shared_ptr<void> m = b.getIpcDevPtr(h.handle);
+      rc = std::memcmp(m.get(), t, n) == 0 ? 0 : 2;
+      static_cast<unsigned char*>(m.get())[1] = 0x5A;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "receiver: %s\n", e.what());
+      rc = 3;
+    }
+    _exit(rc);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(bytes[1] == 0x5A);  // the receiver wrote through its own mapping
+
+  // Bad handles: PyTorch's error type with the reason; nothing is mapped.
+  CHECK_THROWS_WITH_AS(b.getIpcDevPtr("not a handle"), doctest::Contains("not a vmmalloc handle"), c10::Error);
+  CHECK_THROWS_AS(b.getIpcDevPtr(h.handle.substr(0, h.handle.size() - 3)), c10::Error);
+  std::string forged = h.handle;
+  forged[4] = static_cast<char>(forged[4] + 1);  // a format version this library does not know
+  CHECK_THROWS_WITH_AS(b.getIpcDevPtr(forged), doctest::Contains("malformed"), c10::Error);
+  forged = h.handle;
+  forged[12] = static_cast<char>(forged[12] + 1);  // one fd more than the handle's chunks
+  CHECK_THROWS_AS(b.getIpcDevPtr(forged), c10::Error);
+  CHECK(vmm_torch_share_counts(nullptr, &imported) == 0);
+  CHECK(imported == 0);
+
+  // Freeing a shared block closes its fds.
+  a.free_fn_(t, n, d, s);
+  a.free_fn_(t2, n, d, s);
+  CHECK(vmm_torch_share_counts(&shared, nullptr) == 0);
+  CHECK(shared == 0);
+  CHECK(static_cast<unsigned char*>(small)[999] == 0x33);
+  a.free_fn_(small, 1000, d, s);
+  CHECK(vmm_torch_check(d) == 0);
+  c10::cuda::stub_current_device = 0;
 }

@@ -21,6 +21,9 @@
 //       reset_peak_memory_stats), which the base class refuses with an error: programs and
 //       libraries that print or budget memory through them (torch.compile's autotuning among
 //       them) stopped there under a plain pluggable allocator.
+//   shareIpcHandle, getIpcDevPtr
+//       CUDA tensors sent to another process through torch.multiprocessing (with
+//       VMMALLOC_IPC=posix_fd; torch_share.cpp in libvmmalloc_torch); the base class refuses.
 //   malloc's out of memory
 //       raised as c10::OutOfMemoryError (torch.OutOfMemoryError), not the base class's
 //       RuntimeError.
@@ -43,6 +46,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <sys/types.h>
@@ -50,6 +54,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -96,6 +101,9 @@ struct library {
   int (*fraction)(int, double*) = nullptr;
   int (*reset_peaks)(int) = nullptr;
   std::int64_t (*memory_map)(int, std::uint64_t*, std::int64_t) = nullptr;
+  std::int64_t (*share)(const void*, char*, std::int64_t) = nullptr;
+  void* (*import)(int, const char*, std::int64_t) = nullptr;
+  int (*close_import)(void*) = nullptr;
   const char* (*last_error)() = nullptr;
 };
 library lib;
@@ -523,6 +531,44 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
   cca::SnapshotInfo snapshot(mempool_id id) { return snapshot_of(id); }
   cca::SnapshotInfo snapshot() { return snapshot_of({0, 0}); }
 
+  // torch.multiprocessing's CUDA tensors (reductions.reduce_tensor / rebuild_cuda_tensor): the
+  // block's chunks as a handle (libvmmalloc_torch's vmm_torch_share: needs VMMALLOC_IPC=posix_fd),
+  // and the receiver's mapping of it, unmapped when PyTorch drops the last storage on it. The
+  // pointer PyTorch passes starts a block, so the offset is 0: the import points at the block.
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    std::string bytes(256, '\0');
+    for (;;) {
+      const std::int64_t n = lib.share(ptr, bytes.data(), static_cast<std::int64_t>(bytes.size()));
+      TORCH_CHECK(n >= 0, "vmmalloc: cannot share this CUDA tensor with another process: ", lib_error());
+      const bool fits = static_cast<std::size_t>(n) <= bytes.size();
+      bytes.resize(static_cast<std::size_t>(n));
+      if (fits) break;
+    }
+    cca::ShareableHandle h{};
+    h.offset = 0;
+    h.handle = std::move(bytes);
+    return h;
+  }
+  // One mapping per handle while any storage uses it, as PyTorch's own allocator caches them.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard g(import_mu_);
+    if (auto it = imports_.find(handle); it != imports_.end())
+      if (auto p = it->second.lock()) return p;
+    const int device = static_cast<int>(c10::cuda::current_device());
+    void* p = lib.import(device, handle.data(), static_cast<std::int64_t>(handle.size()));
+    TORCH_CHECK(p, "vmmalloc: cannot map a CUDA tensor shared by another process: ", lib_error());
+    std::shared_ptr<void> sp(p, [](void* q) noexcept {
+      if (lib.close_import(q) != 0) try {
+          TORCH_WARN("vmmalloc: unmapping a shared CUDA tensor: ", lib_error());
+        } catch (...) {  // a deleter must not throw (warnings turned into errors)
+        }
+    });
+    for (auto it = imports_.begin(); it != imports_.end();)  // drop entries whose mapping is gone
+      it = it->second.expired() ? imports_.erase(it) : std::next(it);
+    imports_[handle] = sp;
+    return sp;
+  }
+
   int getPoolUseCount(c10::DeviceIndex device, mempool_id id) { return table().uses(device, id); }
   // vmmalloc has no last-resort pools and never splits across them: nothing to set.
   void setUseOnOOM(c10::DeviceIndex, mempool_id, bool) {}
@@ -530,6 +576,9 @@ struct vmm_allocator final : tpa::CUDAPluggableAllocator {
   void setNoSplit(c10::DeviceIndex, mempool_id) {}
 
  private:
+  std::mutex import_mu_;
+  std::map<std::string, std::weak_ptr<void>> imports_;
+
   static void set_history(bool enabled, cca::CreateContextFn gather, size_t max_entries, cca::RecordContext when,
                           bool clear, const std::vector<std::string>& skip) {
     TORCH_CHECK(!enabled || vmm_torch_history::available,
@@ -614,7 +663,11 @@ bool probe_snapshot(vmm_allocator& a) {
 }
 
 std::mutex install_mu;
-std::shared_ptr<vmm_allocator> installed;  // also held by PyTorch (its current allocator)
+// Also held by PyTorch (its current allocator). Never destroyed: PyTorch frees tensors during
+// exit after static destructors ran (a tensor sent to another process is freed when PyTorch's
+// static list of sent blocks goes), and a destroyed allocator there ends the process with "pure
+// virtual method called".
+std::shared_ptr<vmm_allocator>& installed = *new std::shared_ptr<vmm_allocator>;
 
 template <class F>
 bool resolve(void* h, const char* name, F& fn, std::string& missing) {
@@ -663,6 +716,9 @@ VMM_EXT_EXPORT int vmm_torch_ext_install(const char* lib_path) {
     resolve(h, "vmm_torch_memory_fraction", l.fraction, missing);
     resolve(h, "vmm_torch_reset_peaks", l.reset_peaks, missing);
     resolve(h, "vmm_torch_memory_map", l.memory_map, missing);
+    resolve(h, "vmm_torch_share", l.share, missing);
+    resolve(h, "vmm_torch_import", l.import, missing);
+    resolve(h, "vmm_torch_close_import", l.close_import, missing);
     resolve(h, "vmm_torch_last_error", l.last_error, missing);
     if (!missing.empty()) {
       set_error(std::string("vmm_torch_ext_install: ") + lib_path + " lacks " + missing +

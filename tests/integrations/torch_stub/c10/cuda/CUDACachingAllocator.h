@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <ctime>
 #include <exception>
@@ -125,6 +126,10 @@ struct TraceEntry {
   std::string compile_context_, user_metadata_;
 };
 #endif
+struct ShareableHandle {  // what shareIpcHandle returns: torch.multiprocessing pickles both
+  std::ptrdiff_t offset = 0;
+  std::string handle;
+};
 enum struct RecordContext { NEVER = 0, STATE = 1, ALLOC = 2, ALL = 3 };
 using CreateContextFn = std::shared_ptr<GatheredContext> (*)();
 struct SnapshotInfo {
@@ -151,6 +156,8 @@ struct CUDAAllocator {
   virtual void recordHistory(bool enabled, CreateContextFn context_recorder, size_t alloc_trace_max_entries,
                              RecordContext when, bool clearHistory, const std::vector<std::string>& skip_actions) = 0;
 #endif
+  virtual ShareableHandle shareIpcHandle(void* ptr) = 0;
+  virtual std::shared_ptr<void> getIpcDevPtr(std::string handle) = 0;
   virtual std::shared_ptr<AllocatorState> getCheckpointState(DeviceIndex, MempoolId_t) = 0;
   virtual CheckpointDelta setCheckpointPoolState(DeviceIndex, std::shared_ptr<AllocatorState>) = 0;
   virtual bool checkPoolLiveAllocations(DeviceIndex, MempoolId_t, const std::unordered_set<void*>&) {

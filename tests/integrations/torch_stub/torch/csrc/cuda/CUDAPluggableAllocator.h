@@ -61,6 +61,12 @@ struct CUDAPluggableAllocator : c10::cuda::CUDACachingAllocator::CUDAAllocator {
     throw c10::Error("CUDAPluggableAllocator does not yet support recordHistory");
   }
 #endif
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void*) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support shareIPcHandle");
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string) override {
+    throw c10::Error("CUDAPluggableAllocator does not yet support getIpcDevPtr");
+  }
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
       c10::DeviceIndex, c10::cuda::MempoolId_t) override {
     throw c10::Error("CUDAPluggableAllocator does not yet support getCheckpointState");

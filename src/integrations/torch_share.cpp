@@ -1,0 +1,268 @@
+// SPDX-License-Identifier: Apache-2.0
+// libvmmalloc_torch.so: a block shared with another process, as PyTorch shares CUDA tensors
+// (torch.multiprocessing; the extension's shareIpcHandle / getIpcDevPtr call these).
+//
+// PyTorch carries the handle as bytes through a pickle, so the POSIX fds of the block's chunks
+// cannot travel with it (no SCM_RIGHTS): the handle names the exporting pid and its fd numbers,
+// and the importer takes copies with pidfd_getfd, as PyTorch's expandable segments do. The
+// exporter keeps those fds open until the block is freed; PyTorch's sharing keeps a shared block
+// alive until every receiver has dropped it, so a receiver imports while they are open.
+//
+// Handle bytes (native byte order, one machine): "VMTS", u32 version, i32 pid, u32 fd count,
+// u64 export number (unique per process: fd numbers are reused once a block is freed, and a
+// receiver caches imports by handle), the fd numbers (i32 each, in chunk order), then the export
+// handle as vmm::ipc::serialize writes it. The first byte differs from PyTorch's own handles'
+// (a version byte), so a receiver without vmmalloc refuses it instead of misreading it.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#pragma GCC visibility push(default)
+#include "vmmalloc_torch.h"
+#pragma GCC visibility pop
+
+#include "torch_lib.hpp"
+#include "vmmalloc/ipc.hpp"
+
+namespace vmm::torch_lib {
+namespace {
+
+constexpr char kMagic[4] = {'V', 'M', 'T', 'S'};
+constexpr std::uint32_t kVersion = 1;
+constexpr std::size_t kHeader = 4 + 4 + 4 + 4 + 8;
+
+struct shared_block {
+  std::string bytes;        // what PyTorch carries
+  ipc::export_handle h;     // owns the fds the bytes name
+};
+
+// Never destroyed: PyTorch frees shared tensors and drops imports during exit, after static
+// destructors ran.
+struct tables {
+  std::mutex share_mu;
+  std::unordered_map<const void*, shared_block> shares;  // live blocks shared, by address
+  std::mutex import_mu;
+  std::unordered_map<void*, std::unique_ptr<ipc::imported>> imports;  // by the pointer handed out
+};
+tables& state() {
+  static auto* t = new tables;
+  return *t;
+}
+std::atomic<std::size_t> share_count{0};
+std::atomic<std::uint64_t> share_seq{0};
+
+template <class T>
+void put(std::string& s, T v) {
+  s.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+template <class T>
+T get_at(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+std::string errno_text(int e) { return std::string(std::strerror(e)); }
+
+// A copy of fd `fd` of process `pid` (this process: dup). -1 + why.
+int take_fd(int pidfd, pid_t pid, int fd, std::string& why) {
+  int got = pid == ::getpid() ? ::dup(fd) : static_cast<int>(::syscall(SYS_pidfd_getfd, pidfd, fd, 0));
+  if (got >= 0) return got;
+  const int e = errno;
+  why = "pidfd_getfd(pid " + std::to_string(pid) + ", fd " + std::to_string(fd) + "): " + errno_text(e);
+  if (e == EPERM)
+    why += " (the receiving process needs ptrace access to the sender: the same user, and where "
+           "Yama's ptrace_scope is 1, the sender must be its descendant)";
+  else if (e == ENOSYS)
+    why += " (the kernel has no pidfd_getfd: Linux 5.6 or later is needed)";
+  else if (e == EBADF)
+    why += " (the sender no longer holds the block: it was freed before this import)";
+  return -1;
+}
+
+}  // namespace
+
+void forget_share(const void* ptr) noexcept {
+  if (share_count.load(std::memory_order_acquire) == 0) return;
+  tables& t = state();
+  std::lock_guard g(t.share_mu);
+  if (t.shares.erase(ptr)) share_count.fetch_sub(1, std::memory_order_release);
+}
+
+}  // namespace vmm::torch_lib
+
+using namespace vmm::torch_lib;
+
+extern "C" {
+
+int64_t vmm_torch_share(const void* ptr, char* out, int64_t cap) try {
+  if (!ptr || cap < 0 || (cap > 0 && !out)) {
+    set_last_error("vmmalloc_torch: share: bad argument");
+    return -1;
+  }
+  const int d = vmm_torch_device_of(ptr);
+  vmm::allocator* a = d >= 0 ? existing_allocator(d) : nullptr;
+  if (!a) {
+    set_last_error("vmmalloc_torch: share: pointer not from vmmalloc");
+    return -1;
+  }
+  tables& t = state();
+  std::lock_guard g(t.share_mu);
+  auto it = t.shares.find(ptr);
+  if (it == t.shares.end()) {
+    if (a->opts().ipc == vmm::ipc_kind::none) {
+      set_last_error("vmmalloc_torch: share: device " + std::to_string(d) +
+                     "'s memory is not exportable: set VMMALLOC_IPC=posix_fd before its first "
+                     "allocation to share CUDA tensors with other processes");
+      return -1;
+    }
+    shared_block s;
+    if (vmm::status st = a->try_export_ipc(const_cast<void*>(ptr), s.h); !st.ok()) {
+      set_last_error("vmmalloc_torch: share: " + vmm::last_error().message);
+      return -1;
+    }
+    std::vector<std::uint8_t> body;
+    if (vmm::status st = vmm::ipc::try_serialize(s.h, body); !st.ok()) {
+      set_last_error("vmmalloc_torch: share: " + st.message());
+      return -1;
+    }
+    std::vector<int> fds;
+    for (const auto& c : s.h.chunks)
+      if (c.handle.kind == vmm::ipc_kind::posix_fd) fds.push_back(c.handle.fd);
+    s.bytes.append(kMagic, sizeof kMagic);
+    put(s.bytes, kVersion);
+    put(s.bytes, static_cast<std::int32_t>(::getpid()));
+    put(s.bytes, static_cast<std::uint32_t>(fds.size()));
+    put(s.bytes, share_seq.fetch_add(1, std::memory_order_relaxed) + 1);
+    for (int fd : fds) put(s.bytes, static_cast<std::int32_t>(fd));
+    s.bytes.append(reinterpret_cast<const char*>(body.data()), body.size());
+    it = t.shares.emplace(ptr, std::move(s)).first;
+    share_count.fetch_add(1, std::memory_order_release);
+  }
+  const std::string& b = it->second.bytes;
+  if (static_cast<std::size_t>(cap) >= b.size()) std::memcpy(out, b.data(), b.size());
+  return static_cast<int64_t>(b.size());
+} catch (...) {  // bad_alloc
+  set_last_error("vmmalloc_torch: share: out of host memory");
+  return -1;
+}
+
+void* vmm_torch_import(int device, const char* bytes, int64_t n) try {
+  if (!bytes || n < 0) {
+    set_last_error("vmmalloc_torch: import: bad argument");
+    return nullptr;
+  }
+  const auto len = static_cast<std::size_t>(n);
+  if (len < kHeader || std::memcmp(bytes, kMagic, sizeof kMagic) != 0) {
+    set_last_error("vmmalloc_torch: import: not a vmmalloc handle (the sender does not use vmmalloc, "
+                   "or the bytes are damaged)");
+    return nullptr;
+  }
+  const auto version = get_at<std::uint32_t>(bytes + 4);
+  const auto pid = static_cast<pid_t>(get_at<std::int32_t>(bytes + 8));
+  const auto nfd = get_at<std::uint32_t>(bytes + 12);
+  if (version != kVersion || nfd > vmm::ipc::max_chunks || pid <= 0 || len < kHeader + 4ull * nfd) {
+    set_last_error("vmmalloc_torch: import: malformed handle (version " + std::to_string(version) + ", " +
+                   std::to_string(nfd) + " fds, " + std::to_string(len) + " bytes)");
+    return nullptr;
+  }
+  vmm::ipc::export_handle h;
+  std::string why;
+  const char* body = bytes + kHeader + 4ull * nfd;
+  if (!vmm::ipc::try_deserialize({reinterpret_cast<const std::uint8_t*>(body), len - (body - bytes)}, h, &why).ok()) {
+    set_last_error("vmmalloc_torch: import: " + why);
+    return nullptr;
+  }
+  if (h.fd_count() != nfd) {
+    set_last_error("vmmalloc_torch: import: malformed handle (" + std::to_string(nfd) + " fds for " +
+                   std::to_string(h.fd_count()) + " chunks)");
+    return nullptr;
+  }
+  vmm::allocator* a = allocator_of(device);  // its backend and peers (creates it if need be)
+  vmm::backend_iface* be = a ? backend_of(device) : nullptr;
+  if (!be) return nullptr;  // allocator_of said why
+  int pidfd = -1;
+  if (nfd && pid != ::getpid()) {
+    pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+    if (pidfd < 0) {
+      const int e = errno;
+      set_last_error("vmmalloc_torch: import: pidfd_open(pid " + std::to_string(pid) + "): " + errno_text(e) +
+                     (e == ESRCH ? " (the sending process has exited)"
+                                 : e == ENOSYS ? " (the kernel has no pidfd_open: Linux 5.3 or later is needed)" : ""));
+      return nullptr;
+    }
+  }
+  vmm::ipc::unique_fd pidfd_owner(pidfd);
+  std::size_t k = 0;
+  for (auto& c : h.chunks) {
+    if (c.handle.kind != vmm::ipc_kind::posix_fd) continue;
+    const int fd = get_at<std::int32_t>(bytes + kHeader + 4 * k++);
+    c.handle.fd = take_fd(pidfd, pid, fd, why);
+    if (c.handle.fd < 0) {  // h's destructor closes the copies taken so far
+      set_last_error("vmmalloc_torch: import: " + why);
+      return nullptr;
+    }
+  }
+  vmm::ipc::import_options io;
+  io.device = device;
+  io.peers = a->opts().peers;  // the devices this process's tensors are readable from
+  auto m = std::make_unique<vmm::ipc::imported>();
+  if (!vmm::ipc::try_import(*be, std::move(h), io, *m, &why).ok()) {
+    set_last_error("vmmalloc_torch: import on device " + std::to_string(device) + ": " + why);
+    return nullptr;
+  }
+  void* p = m->get();
+  tables& t = state();
+  std::lock_guard g(t.import_mu);
+  t.imports.emplace(p, std::move(m));
+  return p;
+} catch (...) {  // bad_alloc
+  set_last_error("vmmalloc_torch: import: out of host memory");
+  return nullptr;
+}
+
+int vmm_torch_close_import(void* ptr) try {
+  std::unique_ptr<vmm::ipc::imported> m;
+  {
+    tables& t = state();
+    std::lock_guard g(t.import_mu);
+    auto it = t.imports.find(ptr);
+    if (it == t.imports.end()) {
+      set_last_error("vmmalloc_torch: close_import: not an imported pointer");
+      return -1;
+    }
+    m = std::move(it->second);
+    t.imports.erase(it);
+  }
+  if (vmm::status st = m->close(); !st.ok()) {
+    set_last_error("vmmalloc_torch: close_import: " + st.message());
+    return -1;
+  }
+  return 0;
+} catch (...) {
+  return -1;
+}
+
+int vmm_torch_share_counts(uint64_t* shared, uint64_t* imported) {
+  if (shared) *shared = share_count.load(std::memory_order_acquire);
+  if (imported) {
+    tables& t = state();
+    std::lock_guard g(t.import_mu);
+    *imported = t.imports.size();
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""CUDA tensors sent to another process with torch.multiprocessing, per allocator.
+
+    python3 bench/torch_share.py [--allocators caching,expandable,vmmalloc] [--rounds 5]
+
+For each allocator a parent process (PyTorch's caching allocator, expandable segments, or vmmalloc
+in extension mode with VMMALLOC_IPC=posix_fd) spawns a child under the same allocator. Each round
+the parent makes fresh tensors (64 of 4 MiB and one of 300 MiB), puts them on a queue, and the
+child rebuilds them, sums them on the GPU and answers; the parent times put -> answer (the
+sharing, the child's imports and one small kernel each) and checks the sums. One JSON line per
+allocator: median and all rounds in ms, the first round apart (it maps the most), and whether
+every sum was right.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "python"))
+
+SMALL, NSMALL, BIG = 1 << 20, 64, 75 << 20  # float32 elements: 4 MiB x 64, 300 MiB
+
+
+def setup(allocator):
+    if allocator == "vmmalloc":
+        import vmmalloc_torch as vt
+
+        vt.enable()
+        return vt.mode()
+    return "native"
+
+
+def child(allocator, inbox, outbox):
+    try:
+        setup(allocator)
+        import torch
+
+        while True:
+            msg = inbox.get()
+            if msg is None:
+                break
+            total = sum(float(t.sum()) for t in msg)
+            torch.cuda.synchronize()
+            outbox.put(total)
+            del msg
+    except Exception as e:
+        outbox.put("error: %s: %s" % (type(e).__name__, e))
+
+
+def parent(allocator, rounds):
+    mode = setup(allocator)
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child, args=(allocator, inbox, outbox))
+    p.start()
+    times, ok = [], True
+    for r in range(rounds):
+        ts = [torch.full((SMALL,), float(i + r), device="cuda") for i in range(NSMALL)]
+        ts.append(torch.full((BIG,), 1.0, device="cuda"))
+        torch.cuda.synchronize()
+        want = sum(float(i + r) * SMALL for i in range(NSMALL)) + float(BIG)
+        t0 = time.perf_counter()
+        inbox.put(ts)
+        got = outbox.get(timeout=300)
+        times.append((time.perf_counter() - t0) * 1e3)
+        if not isinstance(got, float) or got != want:
+            ok = False
+            print("round %d: %s (want %s)" % (r, got, want), file=sys.stderr)
+            break
+        del ts
+        torch.cuda.ipc_collect()
+    inbox.put(None)
+    p.join(120)
+    return {"allocator": allocator, "mode": mode, "torch": torch.__version__, "first_ms": round(times[0], 2) if times else None,
+            "median_ms": round(statistics.median(times[1:] or times), 2) if times else None,
+            "rounds_ms": [round(t, 2) for t in times], "sums_right": ok and p.exitcode == 0}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--allocators", default="caching,expandable,vmmalloc")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one allocator in this process
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(parent(a.one, a.rounds)), flush=True)
+        return 0
+    import subprocess
+
+    rc = 0
+    for name in a.allocators.split(","):
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if name == "expandable":
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        if name == "vmmalloc":
+            env["VMMALLOC_IPC"] = "posix_fd"
+        r = subprocess.run([sys.executable, __file__, "--one", name, "--rounds", str(a.rounds)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else json.dumps(
+            {"allocator": name, "error": (r.stderr or "")[-800:]})
+        print(line, flush=True)
+        rc |= r.returncode
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

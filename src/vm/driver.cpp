@@ -2,6 +2,11 @@
 // vm::driver: counting. See driver.hpp.
 #include "vm/driver.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 namespace vmm::vm {
 
 namespace {
@@ -23,6 +28,58 @@ void driver::bump(std::atomic<std::uint64_t>& c) noexcept {
 void driver::failed() noexcept {
   n_.failures.fetch_add(1, std::memory_order_relaxed);
   if (tl_scope) ++tl_scope->failures_;
+}
+
+driver::~driver() {
+  for (auto& [h, fd] : exported_) ::close(fd);
+}
+
+status driver::release(mem_handle h) {
+  status st;
+  {
+    relaxed r(*this, n_.ns);
+    st = note(n_.release, b_->release(h));
+  }
+  if (st.ok() && n_exported_.load(std::memory_order_acquire) != 0) {
+    std::lock_guard g(export_mu_);
+    if (auto it = exported_.find(h); it != exported_.end()) {
+      ::close(it->second);
+      exported_.erase(it);
+      n_exported_.fetch_sub(1, std::memory_order_release);
+    }
+  }
+  return st;
+}
+
+result<shareable_handle> driver::export_handle(mem_handle h, ipc_kind k) {
+  if (k != ipc_kind::posix_fd) {
+    relaxed r(*this, n_.ns);
+    return note(n_.export_handle, b_->export_handle(h, k));
+  }
+  std::lock_guard g(export_mu_);
+  auto it = exported_.find(h);
+  if (it == exported_.end()) {
+    result<shareable_handle> e;
+    {
+      relaxed r(*this, n_.ns);
+      e = note(n_.export_handle, b_->export_handle(h, k));
+    }
+    if (!e.ok() || e.value.kind != ipc_kind::posix_fd) return e;
+    try {
+      it = exported_.emplace(h, e.value.fd).first;  // kept; the caller gets a copy below
+    } catch (...) {
+      return e;  // no memory for the entry: the caller owns this fd, nothing is cached
+    }
+    n_exported_.fetch_add(1, std::memory_order_release);
+  }
+  shareable_handle out;
+  out.kind = ipc_kind::posix_fd;
+  out.fd = ::fcntl(it->second, F_DUPFD_CLOEXEC, 0);
+  if (out.fd < 0) {
+    const int e = errno;
+    return {{}, {errc::other, e, e == EMFILE ? "EMFILE" : "errno", "fcntl(F_DUPFD_CLOEXEC)"}};
+  }
+  return {out, {}};
 }
 
 driver_counts driver::counts() const {

@@ -13,7 +13,9 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <span>
+#include <unordered_map>
 
 #include "vmmalloc/backend.hpp"
 #include "vmmalloc/stats.hpp"
@@ -34,7 +36,8 @@ class driver {
   result<std::uintptr_t> reserve(std::size_t n, std::size_t align) { relaxed r(*this, n_.ns); return note(n_.reserve, b_->reserve(n, align)); }
   status free_reservation(std::uintptr_t va, std::size_t n) { relaxed r(*this, n_.ns); return note(n_.free_reservation, b_->free_reservation(va, n)); }
   result<mem_handle> create(std::size_t n, const chunk_props& p) { relaxed r(*this, n_.ns); return note(n_.create, b_->create(n, p)); }
-  status release(mem_handle h) { relaxed r(*this, n_.ns); return note(n_.release, b_->release(h)); }
+  // Closes the handle's exported fd (see export_handle) once the release succeeded.
+  status release(mem_handle h);
   status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) { relaxed r(*this, n_.ns); return note(n_.map, b_->map(va, n, h, off)); }
   status unmap(std::uintptr_t va, std::size_t n) { relaxed r(*this, n_.ns); return note(n_.unmap, b_->unmap(va, n)); }
   status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) {
@@ -42,7 +45,11 @@ class driver {
     return note(n_.set_access, b_->set_access(va, n, a));
   }
   result<memory_info> mem_info() { relaxed r(*this, n_.ns); return note(n_.mem_info, b_->mem_info()); }
-  result<shareable_handle> export_handle(mem_handle h, ipc_kind k) { relaxed r(*this, n_.ns); return note(n_.export_handle, b_->export_handle(h, k)); }
+  // A handle is exported as a POSIX fd once (cuMemExportToShareableHandle took ~50 us on an H200,
+  // bench/RESULTS.md run 125); later exports of it get a dup of that fd (~1 us, not counted as a
+  // driver call), and release() closes it. Blocks that share a chunk (ipc_whole_chunks off) are
+  // shared with one export of it. Fabric handles are bytes: exported each time.
+  result<shareable_handle> export_handle(mem_handle h, ipc_kind k);
   result<mem_handle> import_handle(const shareable_handle& s) { relaxed r(*this, n_.ns); return note(n_.import_handle, b_->import_handle(s)); }
   result<chunk_info> query(mem_handle h) { relaxed r(*this, n_.ns); return note(n_.query, b_->query(h)); }
   // Never on a capturing stream (an event recorded into a capture is no fence): callers check.
@@ -74,6 +81,7 @@ class driver {
   }
 
   driver_counts counts() const;
+  ~driver();  // closes the exported fds still held
 
   // Counts the calls this thread makes through any driver while the scope lives.
   class scope {
@@ -143,6 +151,9 @@ class driver {
 
   backend_iface* b_;
   bool capture_;  // the backend has the capture part
+  std::mutex export_mu_;                          // the driver is called from several threads
+  std::unordered_map<mem_handle, int> exported_;  // handle -> its exported POSIX fd
+  std::atomic<std::size_t> n_exported_{0};        // release() looks only when not 0
   counters n_;
 };
 

@@ -104,9 +104,12 @@ TEST_CASE("allocator export, shared chunks: the chunks under the block, at its o
   const std::size_t big = 300 * MiB;
   void* huge = a.allocate(big);
   {
+    const std::uint64_t exports = a.stats().calls.export_handle;
     ipc::export_handle h1 = a.export_ipc(s1), h2 = a.export_ipc(s2);  // one slab: one chunk
     CHECK(h2.offset != h1.offset);
     CHECK(h2.mapping_size() == h1.mapping_size());
+    CHECK(h1.chunks.front().handle.fd != h2.chunks.front().handle.fd);  // each handle owns its fd
+    CHECK(a.stats().calls.export_handle == exports + 1);  // the chunk was exported once
   }
   for (auto [p, n, v] : {std::tuple{s2, std::size_t{64}, std::uint8_t{11}}, std::tuple{mid, MiB + 300, std::uint8_t{12}},
                          std::tuple{huge, big, std::uint8_t{13}}}) {

@@ -3,6 +3,7 @@
 """CUDA tensors sent to another process with torch.multiprocessing, per allocator.
 
     python3 bench/torch_share.py [--allocators caching,expandable,vmmalloc] [--rounds 5]
+    python3 bench/torch_share.py --probe     # vmmalloc's share / import / close, per block
 
 For each allocator a parent process (PyTorch's caching allocator, expandable segments, or vmmalloc
 in extension mode with VMMALLOC_IPC=posix_fd) spawns a child under the same allocator. Each round
@@ -83,12 +84,53 @@ def parent(allocator, rounds):
             "rounds_ms": [round(t, 2) for t in times], "sums_right": ok and p.exitcode == 0}
 
 
+def probe(rounds):
+    """In one process, through ctypes: what vmm_torch_share, vmm_torch_import (of this process's own
+    handle: dup instead of pidfd_getfd) and vmm_torch_close_import cost per block, by size."""
+    import ctypes
+
+    os.environ["VMMALLOC_IPC"] = "posix_fd"
+    import torch
+    import vmmalloc_torch as vt
+
+    vt.enable()
+    lib = vt.load()
+    lib.vmm_torch_share.restype = ctypes.c_int64
+    lib.vmm_torch_share.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int64]
+    lib.vmm_torch_import.restype = ctypes.c_void_p
+    lib.vmm_torch_import.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int64]
+    lib.vmm_torch_close_import.argtypes = [ctypes.c_void_p]
+    buf = ctypes.create_string_buffer(1 << 16)
+    for size, n in ((4 << 20, 64), (64 << 10, 64), (300 << 20, 4)):
+        for r in range(rounds):
+            ts = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            hs = [buf.raw[:lib.vmm_torch_share(t.data_ptr(), buf, len(buf))] for t in ts]
+            t1 = time.perf_counter()
+            ps = [lib.vmm_torch_import(0, h, len(h)) for h in hs]
+            t2 = time.perf_counter()
+            for q in ps:
+                lib.vmm_torch_close_import(q)
+            t3 = time.perf_counter()
+            fds = sum(int.from_bytes(h[12:16], "little") for h in hs)  # the handle's fd count
+            print(json.dumps({"bytes": size, "blocks": n, "round": r, "share_us": round((t1 - t0) / n * 1e6, 1),
+                              "import_us": round((t2 - t1) / n * 1e6, 1), "close_us": round((t3 - t2) / n * 1e6, 1),
+                              "chunks_per_block": fds / n, "ok": all(ps)}), flush=True)
+            del ts
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--allocators", default="caching,expandable,vmmalloc")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--probe", action="store_true",
+                    help="vmmalloc only, one process: share / import / close costs per block by size")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one allocator in this process
     a = ap.parse_args()
+    if a.probe:
+        probe(min(a.rounds, 3))
+        return 0
     if a.one:
         print(json.dumps(parent(a.one, a.rounds)), flush=True)
         return 0

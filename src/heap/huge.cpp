@@ -172,36 +172,33 @@ status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, st
   auto& m = *p_;
   if (m.a.props().ipc == ipc_kind::none)
     return fail(errc::not_supported, "export: the policy is not exportable (options.ipc is none)");
+  std::uintptr_t from = 0, to = 0;  // the chunks covering [from, to) are exported
   if (!m.whole_chunks()) {
     // Blocks share chunks (ipc_whole_chunks off): the chunks under the block, neighbours and all.
     // Nothing is marked: the block is freed and its chunks reused as any other.
     const std::size_t n = usable_size(p);
     if (!n) return fail(errc::invalid_pointer, "export: pointer is not the start of a live allocation");
-    ids.clear();
-    const std::uint32_t first = m.a.chunk_at(p);
-    offset = p - m.a.get(first).va;
-    for (std::uintptr_t va = m.a.get(first).va; va < p + n;) {
-      std::uint32_t id = m.a.chunk_at(va);
-      ids.push_back(id);
-      va += m.a.get(id).size;
-    }
+    from = m.a.get(m.a.chunk_at(p)).va;
+    to = p + n;
     bytes = requested_size(p);
-    return {};
+  } else {
+    impl::block* b = m.a.contains(p) ? m.block_at(p) : nullptr;
+    if (!b || !(b->flags & impl::f_huge) || (b->flags & impl::f_free))
+      return fail(errc::invalid_pointer, "export: pointer is not the start of a live allocation");
+    for (auto& d : m.deferred_frees)
+      if (d.p == p) return fail(errc::invalid_pointer, "export: the allocation's free is pending");
+    from = b->addr;  // a whole-chunk allocation starts its first chunk
+    to = b->addr + b->size;
+    bytes = b->requested();
+    b->flags |= impl::f_exported;
   }
-  impl::block* b = m.a.contains(p) ? m.block_at(p) : nullptr;
-  if (!b || !(b->flags & impl::f_huge) || (b->flags & impl::f_free))
-    return fail(errc::invalid_pointer, "export: pointer is not the start of a live allocation");
-  for (auto& d : m.deferred_frees)
-    if (d.p == p) return fail(errc::invalid_pointer, "export: the allocation's free is pending");
+  offset = p - from;
   ids.clear();
-  for (std::uintptr_t va = b->addr; va < b->addr + b->size;) {
+  for (std::uintptr_t va = from; va < to;) {
     std::uint32_t id = m.a.chunk_at(va);
     ids.push_back(id);
     va += m.a.get(id).size;
   }
-  bytes = b->requested();
-  offset = 0;  // a whole-chunk allocation starts its first chunk
-  b->flags |= impl::f_exported;
   return {};
 }
 

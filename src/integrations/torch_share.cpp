@@ -138,15 +138,13 @@ int64_t vmm_torch_share(const void* ptr, char* out, int64_t cap) try {
       set_last_error("vmmalloc_torch: share: " + st.message());
       return -1;
     }
-    std::vector<int> fds;
-    for (const auto& c : s.h.chunks)
-      if (c.handle.kind == vmm::ipc_kind::posix_fd) fds.push_back(c.handle.fd);
     s.bytes.append(kMagic, sizeof kMagic);
     put(s.bytes, kVersion);
     put(s.bytes, static_cast<std::int32_t>(::getpid()));
-    put(s.bytes, static_cast<std::uint32_t>(fds.size()));
+    put(s.bytes, static_cast<std::uint32_t>(s.h.fd_count()));
     put(s.bytes, share_seq.fetch_add(1, std::memory_order_relaxed) + 1);
-    for (int fd : fds) put(s.bytes, static_cast<std::int32_t>(fd));
+    for (const auto& c : s.h.chunks)
+      if (c.handle.kind == vmm::ipc_kind::posix_fd) put(s.bytes, static_cast<std::int32_t>(c.handle.fd));
     s.bytes.append(reinterpret_cast<const char*>(body.data()), body.size());
     it = t.shares.emplace(ptr, std::move(s)).first;
     share_count.fetch_add(1, std::memory_order_release);

@@ -333,3 +333,38 @@ TEST_CASE("set_memory_fraction: the device's limit as a fraction of its memory; 
   vmm_torch_free(p, 48 << 20, d, nullptr);
   CHECK(vmm_torch_check(d) == 0);
 }
+
+TEST_CASE("threads share, import, close and free blocks at once: every import sees its block, nothing is left") {
+  const int d = 7;  // no case before this one creates device 7's allocator
+  setenv("VMMALLOC_IPC", "posix_fd", 1);
+  REQUIRE(vmm_torch_init(d) == 0);
+  unsetenv("VMMALLOC_IPC");
+  std::vector<std::thread> ts;
+  std::vector<int> bad(4, 0);
+  for (int t = 0; t < 4; ++t)
+    ts.emplace_back([t, d, &bad] {
+      std::string h(4096, '\0');
+      for (int i = 0; i < 200; ++i) {
+        const std::int64_t n = 256 + ((i * 7919 + t * 104729) % (4 << 20));  // slab, span and chunk-crossing blocks
+        auto* p = static_cast<unsigned char*>(vmm_torch_try_malloc(n, d, nullptr));
+        if (!p) { ++bad[t]; continue; }
+        p[0] = static_cast<unsigned char>(t * 31 + i);
+        const std::int64_t len = vmm_torch_share(p, h.data(), static_cast<std::int64_t>(h.size()));
+        auto* q = len > 0 && len <= 4096 ? static_cast<unsigned char*>(vmm_torch_import(d, h.data(), len)) : nullptr;
+        if (!q || q[0] != p[0]) ++bad[t];
+        if (q) {
+          q[n - 1] = 0x77;  // the import is the block's memory
+          if (p[n - 1] != 0x77) ++bad[t];
+          if (vmm_torch_close_import(q) != 0) ++bad[t];
+        }
+        vmm_torch_free(p, n, d, nullptr);
+      }
+    });
+  for (auto& th : ts) th.join();
+  for (int t = 0; t < 4; ++t) CHECK_MESSAGE(bad[t] == 0, "thread " << t << ": " << vmm_torch_last_error());
+  std::uint64_t shared = 1, imported = 1;
+  CHECK(vmm_torch_share_counts(&shared, &imported) == 0);
+  CHECK(shared == 0);
+  CHECK(imported == 0);
+  CHECK(vmm_torch_check(d) == 0);
+}

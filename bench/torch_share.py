@@ -3,15 +3,20 @@
 """CUDA tensors sent to another process with torch.multiprocessing, per allocator.
 
     python3 bench/torch_share.py [--allocators caching,expandable,vmmalloc] [--rounds 5]
+                                 [--workload activations|params]
     python3 bench/torch_share.py --probe     # vmmalloc's share / import / close, per block
 
 For each allocator a parent process (PyTorch's caching allocator, expandable segments, or vmmalloc
 in extension mode with VMMALLOC_IPC=posix_fd) spawns a child under the same allocator. Each round
-the parent makes fresh tensors (64 of 4 MiB and one of 300 MiB), puts them on a queue, and the
-child rebuilds them, sums them on the GPU and answers; the parent times put -> answer (the
-sharing, the child's imports and one small kernel each) and checks the sums. One JSON line per
-allocator: median and all rounds in ms, the first round apart (it maps the most), and whether
-every sum was right.
+the parent makes fresh tensors, pickles them as torch.multiprocessing's queues do (ForkingPickler:
+this is where the sender shares them), puts the bytes on a queue, and the child unpickles them
+(rebuild_cuda_tensor: the imports), sums them on the GPU and answers. Workloads:
+  activations  64 tensors of 4 MiB and one of 300 MiB
+  params       a model's parameters: 64 layers of a 1024 x 1024 weight (4 MiB) and a 1024 bias
+The parent times pickle -> answer and checks the sums. One JSON line per allocator: median and all
+rounds in ms, the first round apart (it maps the most), the medians of the phases (share: the
+parent's pickling; import: the child's unpickling; sum: the child's kernels and reads; rest: the
+queue both ways), and whether every sum was right.
 """
 
 import argparse
@@ -24,6 +29,22 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "python"))
 
 SMALL, NSMALL, BIG = 1 << 20, 64, 75 << 20  # float32 elements: 4 MiB x 64, 300 MiB
+LAYERS, WIDTH = 64, 1024
+
+
+def make(workload, r):
+    """The round's tensors and the sum the child must find."""
+    import torch
+
+    if workload == "params":
+        ts = []
+        for i in range(LAYERS):
+            ts.append(torch.full((WIDTH, WIDTH), float(i + r), device="cuda"))
+            ts.append(torch.full((WIDTH,), 1.0, device="cuda"))
+        return ts, sum(float(i + r) * WIDTH * WIDTH + WIDTH for i in range(LAYERS))
+    ts = [torch.full((SMALL,), float(i + r), device="cuda") for i in range(NSMALL)]
+    ts.append(torch.full((BIG,), 1.0, device="cuda"))
+    return ts, sum(float(i + r) * SMALL for i in range(NSMALL)) + float(BIG)
 
 
 def setup(allocator):
@@ -39,49 +60,61 @@ def child(allocator, inbox, outbox):
     try:
         setup(allocator)
         import torch
+        from multiprocessing.reduction import ForkingPickler
 
         while True:
-            msg = inbox.get()
-            if msg is None:
+            raw = inbox.get()
+            if raw is None:
                 break
+            t0 = time.perf_counter()
+            msg = ForkingPickler.loads(raw)
+            t1 = time.perf_counter()
             total = sum(float(t.sum()) for t in msg)
             torch.cuda.synchronize()
-            outbox.put(total)
+            t2 = time.perf_counter()
+            outbox.put((total, t1 - t0, t2 - t1))
             del msg
     except Exception as e:
         outbox.put("error: %s: %s" % (type(e).__name__, e))
 
 
-def parent(allocator, rounds):
+def parent(allocator, rounds, workload):
     mode = setup(allocator)
     import torch
     import torch.multiprocessing as mp
+    from multiprocessing.reduction import ForkingPickler
 
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=child, args=(allocator, inbox, outbox))
     p.start()
-    times, ok = [], True
+    times, phases, ok = [], [], True
     for r in range(rounds):
-        ts = [torch.full((SMALL,), float(i + r), device="cuda") for i in range(NSMALL)]
-        ts.append(torch.full((BIG,), 1.0, device="cuda"))
+        ts, want = make(workload, r)
         torch.cuda.synchronize()
-        want = sum(float(i + r) * SMALL for i in range(NSMALL)) + float(BIG)
         t0 = time.perf_counter()
-        inbox.put(ts)
+        raw = bytes(ForkingPickler.dumps(ts))
+        t1 = time.perf_counter()
+        inbox.put(raw)
         got = outbox.get(timeout=300)
-        times.append((time.perf_counter() - t0) * 1e3)
-        if not isinstance(got, float) or got != want:
+        t2 = time.perf_counter()
+        times.append((t2 - t0) * 1e3)
+        if not isinstance(got, tuple) or got[0] != want:
             ok = False
             print("round %d: %s (want %s)" % (r, got, want), file=sys.stderr)
             break
-        del ts
+        share, imp, sm = (t1 - t0) * 1e3, got[1] * 1e3, got[2] * 1e3
+        phases.append((share, imp, sm, times[-1] - share - imp - sm))
+        del ts, raw
         torch.cuda.ipc_collect()
     inbox.put(None)
     p.join(120)
-    return {"allocator": allocator, "mode": mode, "torch": torch.__version__, "first_ms": round(times[0], 2) if times else None,
+    later = phases[1:] or phases
+    med = {k: round(statistics.median(ph[i] for ph in later), 2) for i, k in enumerate(("share", "import", "sum", "rest"))} if later else None
+    return {"allocator": allocator, "workload": workload, "mode": mode, "torch": torch.__version__,
+            "first_ms": round(times[0], 2) if times else None,
             "median_ms": round(statistics.median(times[1:] or times), 2) if times else None,
-            "rounds_ms": [round(t, 2) for t in times], "sums_right": ok and p.exitcode == 0}
+            "phases_median_ms": med, "rounds_ms": [round(t, 2) for t in times], "sums_right": ok and p.exitcode == 0}
 
 
 def probe(rounds):
@@ -124,6 +157,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--allocators", default="caching,expandable,vmmalloc")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workload", choices=("activations", "params"), default="activations")
     ap.add_argument("--probe", action="store_true",
                     help="vmmalloc only, one process: share / import / close costs per block by size")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one allocator in this process
@@ -132,7 +166,7 @@ def main():
         probe(min(a.rounds, 3))
         return 0
     if a.one:
-        print(json.dumps(parent(a.one, a.rounds)), flush=True)
+        print(json.dumps(parent(a.one, a.rounds, a.workload)), flush=True)
         return 0
     import subprocess
 
@@ -144,7 +178,8 @@ def main():
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         if name == "vmmalloc":
             env["VMMALLOC_IPC"] = "posix_fd"
-        r = subprocess.run([sys.executable, __file__, "--one", name, "--rounds", str(a.rounds)], env=env,
+        r = subprocess.run([sys.executable, __file__, "--one", name, "--rounds", str(a.rounds),
+                            "--workload", a.workload], env=env,
                            capture_output=True, text=True, timeout=600)
         line = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else json.dumps(
             {"allocator": name, "error": (r.stderr or "")[-800:]})

@@ -84,6 +84,10 @@ struct shareable_handle {
   ipc_kind kind = ipc_kind::none;
   int fd = -1;                                 // posix_fd: owned by whoever holds this struct
   std::array<std::uint8_t, 64> fabric{};       // CUmemFabricHandle bytes
+  // Set by an allocator's export (posix_fd): the same in every export of one physical handle
+  // while it lives, never reused in the process, so an importer can tell a chunk it has already
+  // mapped. 0 = unknown. Not part of vmm::ipc::serialize's bytes.
+  std::uint64_t export_id = 0;
 };
 
 struct memory_info {

@@ -141,9 +141,12 @@ int64_t vmm_torch_memory_map(int device, uint64_t* out, int64_t n);
 int64_t vmm_torch_share(const void* ptr, char* out, int64_t cap);
 /* Maps a handle from vmm_torch_share (this or another process) on `device`: the block's address
  * here, or NULL + last error (the message says why: not a vmmalloc handle, the sender exited or
- * freed the block, no pidfd rights ...). Close it with vmm_torch_close_import. */
+ * freed the block, no pidfd rights ...). Close it with vmm_torch_close_import, once per import.
+ * Blocks on chunks already mapped here by an import not yet closed use that mapping (no driver
+ * call, no fd taken); the same block imported twice gets the same address. */
 void* vmm_torch_import(int device, const char* bytes, int64_t n);
-/* Unmaps an import (no kernel may still use it). 0, or -1 + last error. */
+/* Ends an import; the chunks are unmapped with the last import on them (no kernel may still use
+ * them). 0, or -1 + last error. */
 int vmm_torch_close_import(void* ptr);
 /* Blocks shared and not yet freed, and imports not yet closed, in this process. Returns 0. */
 int vmm_torch_share_counts(uint64_t* shared, uint64_t* imported);

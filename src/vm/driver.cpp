@@ -31,7 +31,7 @@ void driver::failed() noexcept {
 }
 
 driver::~driver() {
-  for (auto& [h, fd] : exported_) ::close(fd);
+  for (auto& [h, e] : exported_) ::close(e.fd);
 }
 
 status driver::release(mem_handle h) {
@@ -43,7 +43,7 @@ status driver::release(mem_handle h) {
   if (st.ok() && n_exported_.load(std::memory_order_acquire) != 0) {
     std::lock_guard g(export_mu_);
     if (auto it = exported_.find(h); it != exported_.end()) {
-      ::close(it->second);
+      ::close(it->second.fd);
       exported_.erase(it);
       n_exported_.fetch_sub(1, std::memory_order_release);
     }
@@ -66,7 +66,10 @@ result<shareable_handle> driver::export_handle(mem_handle h, ipc_kind k) {
     }
     if (!e.ok() || e.value.kind != ipc_kind::posix_fd) return e;
     try {
-      it = exported_.emplace(h, e.value.fd).first;  // kept; the caller gets a copy below
+      // Ids count across every driver of the process: two allocators' chunks never share one.
+      static std::atomic<std::uint64_t> next_id{0};
+      it = exported_.emplace(h, exported{e.value.fd, next_id.fetch_add(1, std::memory_order_relaxed) + 1})
+               .first;  // kept; the caller gets a copy below
     } catch (...) {
       return e;  // no memory for the entry: the caller owns this fd, nothing is cached
     }
@@ -74,7 +77,8 @@ result<shareable_handle> driver::export_handle(mem_handle h, ipc_kind k) {
   }
   shareable_handle out;
   out.kind = ipc_kind::posix_fd;
-  out.fd = ::fcntl(it->second, F_DUPFD_CLOEXEC, 0);
+  out.export_id = it->second.id;
+  out.fd = ::fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0);
   if (out.fd < 0) {
     const int e = errno;
     return {{}, {errc::other, e, e == EMFILE ? "EMFILE" : "errno", "fcntl(F_DUPFD_CLOEXEC)"}};

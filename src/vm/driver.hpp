@@ -48,7 +48,8 @@ class driver {
   // A handle is exported as a POSIX fd once (cuMemExportToShareableHandle took ~50 us on an H200,
   // bench/RESULTS.md run 125); later exports of it get a dup of that fd (~1 us, not counted as a
   // driver call), and release() closes it. Blocks that share a chunk (ipc_whole_chunks off) are
-  // shared with one export of it. Fabric handles are bytes: exported each time.
+  // shared with one export of it. Every copy carries the export's id (shareable_handle::export_id).
+  // Fabric handles are bytes: exported each time.
   result<shareable_handle> export_handle(mem_handle h, ipc_kind k);
   result<mem_handle> import_handle(const shareable_handle& s) { relaxed r(*this, n_.ns); return note(n_.import_handle, b_->import_handle(s)); }
   result<chunk_info> query(mem_handle h) { relaxed r(*this, n_.ns); return note(n_.query, b_->query(h)); }
@@ -152,7 +153,11 @@ class driver {
   backend_iface* b_;
   bool capture_;  // the backend has the capture part
   std::mutex export_mu_;                          // the driver is called from several threads
-  std::unordered_map<mem_handle, int> exported_;  // handle -> its exported POSIX fd
+  struct exported {
+    int fd;              // the driver's export, kept; callers get dups
+    std::uint64_t id;    // shareable_handle::export_id
+  };
+  std::unordered_map<mem_handle, exported> exported_;
   std::atomic<std::size_t> n_exported_{0};        // release() looks only when not 0
   counters n_;
 };

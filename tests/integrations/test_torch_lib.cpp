@@ -334,15 +334,107 @@ TEST_CASE("set_memory_fraction: the device's limit as a fraction of its memory; 
   CHECK(vmm_torch_check(d) == 0);
 }
 
-TEST_CASE("threads share, import, close and free blocks at once: every import sees its block, nothing is left") {
-  const int d = 7;  // no case before this one creates device 7's allocator
+TEST_CASE("blocks on the same chunks are imported as one mapping; each import is closed on its own") {
+  const int d = 7;  // exportable: no case before this one creates device 7's allocator
   setenv("VMMALLOC_IPC", "posix_fd", 1);
   REQUIRE(vmm_torch_init(d) == 0);
   unsetenv("VMMALLOC_IPC");
+  auto* p1 = static_cast<unsigned char*>(vmm_torch_try_malloc(4096, d, nullptr));
+  auto* p2 = static_cast<unsigned char*>(vmm_torch_try_malloc(4096, d, nullptr));
+  REQUIRE(p1);
+  REQUIRE(p2);
+  std::memset(p1, 0x11, 4096);
+  std::memset(p2, 0x22, 4096);
+  auto share = [](const void* p) {
+    std::string h(4096, '\0');
+    const std::int64_t n = vmm_torch_share(p, h.data(), static_cast<std::int64_t>(h.size()));
+    REQUIRE_MESSAGE(n > 0, std::string(vmm_torch_last_error()));
+    REQUIRE(n <= 4096);
+    h.resize(static_cast<std::size_t>(n));
+    return h;
+  };
+  const std::string h1 = share(p1), h2 = share(p2);
+  CHECK(h1 != h2);  // other offsets
+  // Both name the same chunk: the export ids after the 24-byte header are equal.
+  std::uint32_t n1 = 0, n2 = 0;
+  std::memcpy(&n1, h1.data() + 12, 4);
+  std::memcpy(&n2, h2.data() + 12, 4);
+  REQUIRE(n1 >= 1);
+  REQUIRE(n1 == n2);
+  REQUIRE(h1.compare(24, 8 * n1, h2, 24, 8 * n1) == 0);
+
+  auto import = [d](const std::string& h) {
+    return static_cast<unsigned char*>(vmm_torch_import(d, h.data(), static_cast<std::int64_t>(h.size())));
+  };
+  unsigned char* q1 = import(h1);
+  unsigned char* q2 = import(h2);
+  REQUIRE(q1);
+  REQUIRE(q2);
+  CHECK(q2 - q1 == p2 - p1);  // one mapping of the chunk serves both
+  CHECK(q1[0] == 0x11);
+  CHECK(q2[4095] == 0x22);
+  unsigned char* again = import(h1);  // the same block again: the same address, counted twice
+  CHECK(again == q1);
+  std::uint64_t shared = 0, imported = 0;
+  CHECK(vmm_torch_share_counts(&shared, &imported) == 0);
+  CHECK(shared == 2);
+  CHECK(imported == 3);
+
+  CHECK(vmm_torch_close_import(q1) == 0);
+  CHECK(again[1] == 0x11);  // still mapped for the second import of the block
+  CHECK(vmm_torch_close_import(again) == 0);
+  CHECK(vmm_torch_close_import(q1) == -1);  // closed as often as imported
+  CHECK(std::string(vmm_torch_last_error()).find("not an imported pointer") != std::string::npos);
+  q2[7] = 0x5A;  // the other block's import keeps the chunk mapped
+  CHECK(p2[7] == 0x5A);
+  CHECK(vmm_torch_close_import(q2) == 0);
+  CHECK(vmm_torch_share_counts(nullptr, &imported) == 0);
+  CHECK(imported == 0);
+
+  unsigned char* q3 = import(h2);  // mapped afresh after the last close
+  REQUIRE(q3);
+  CHECK(q3[7] == 0x5A);
+  CHECK(vmm_torch_close_import(q3) == 0);
+
+  // Another sender's chunks with the same export ids (a different nonce) are not these chunks: a
+  // forged nonce maps its own copy of the fds named.
+  std::string other = h2;
+  other[16] = static_cast<char>(other[16] ^ 0x40);
+  unsigned char* q4 = import(h2);
+  unsigned char* q5 = import(other);
+  REQUIRE(q4);
+  REQUIRE(q5);
+  CHECK(q5 != q4);
+  CHECK(q5[7] == 0x5A);  // the fds it named are this block's
+  CHECK(vmm_torch_close_import(q5) == 0);
+  CHECK(vmm_torch_close_import(q4) == 0);
+
+  vmm_torch_free(p1, 4096, d, nullptr);
+  vmm_torch_free(p2, 4096, d, nullptr);
+  CHECK(vmm_torch_share_counts(&shared, &imported) == 0);
+  CHECK(shared == 0);
+  CHECK(imported == 0);
+  CHECK(vmm_torch_check(d) == 0);
+}
+
+TEST_CASE("threads share, import, close and free blocks at once: every import sees its block, nothing is left") {
+  const int d = 7;  // exportable (made so by the case above, or here when run alone)
+  setenv("VMMALLOC_IPC", "posix_fd", 1);
+  REQUIRE(vmm_torch_init(d) == 0);
+  unsetenv("VMMALLOC_IPC");
+  // One block every thread imports too: one mapping, its import count moved by four threads.
+  auto* anchor = static_cast<unsigned char*>(vmm_torch_try_malloc(4096, d, nullptr));
+  REQUIRE(anchor);
+  std::memset(anchor, 0x3C, 4096);
+  std::string ah(4096, '\0');
+  const std::int64_t alen = vmm_torch_share(anchor, ah.data(), static_cast<std::int64_t>(ah.size()));
+  REQUIRE(alen > 0);
+  REQUIRE(alen <= 4096);
+  ah.resize(static_cast<std::size_t>(alen));
   std::vector<std::thread> ts;
   std::vector<int> bad(4, 0);
   for (int t = 0; t < 4; ++t)
-    ts.emplace_back([t, d, &bad] {
+    ts.emplace_back([t, d, &bad, &ah] {
       std::string h(4096, '\0');
       for (int i = 0; i < 200; ++i) {
         const std::int64_t n = 256 + ((i * 7919 + t * 104729) % (4 << 20));  // slab, span and chunk-crossing blocks
@@ -358,10 +450,13 @@ TEST_CASE("threads share, import, close and free blocks at once: every import se
           if (vmm_torch_close_import(q) != 0) ++bad[t];
         }
         vmm_torch_free(p, n, d, nullptr);
+        auto* a = static_cast<unsigned char*>(vmm_torch_import(d, ah.data(), static_cast<std::int64_t>(ah.size())));
+        if (!a || a[i % 4096] != 0x3C || vmm_torch_close_import(a) != 0) ++bad[t];
       }
     });
   for (auto& th : ts) th.join();
   for (int t = 0; t < 4; ++t) CHECK_MESSAGE(bad[t] == 0, "thread " << t << ": " << vmm_torch_last_error());
+  vmm_torch_free(anchor, 4096, d, nullptr);
   std::uint64_t shared = 1, imported = 1;
   CHECK(vmm_torch_share_counts(&shared, &imported) == 0);
   CHECK(shared == 0);

@@ -133,23 +133,42 @@ def probe(rounds):
     lib.vmm_torch_import.restype = ctypes.c_void_p
     lib.vmm_torch_import.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int64]
     lib.vmm_torch_close_import.argtypes = [ctypes.c_void_p]
+    lib.vmm_torch_last_error.restype = ctypes.c_char_p
     buf = ctypes.create_string_buffer(1 << 16)
+    errors = []
+
+    def share(p):
+        n = lib.vmm_torch_share(p, buf, len(buf))
+        if n < 0:
+            errors.append("share: " + lib.vmm_torch_last_error().decode())
+            return None
+        return buf.raw[:n]
+
+    def imp(h):
+        q = lib.vmm_torch_import(0, h, len(h)) if h else None
+        if h and not q:
+            errors.append("import: " + lib.vmm_torch_last_error().decode())
+        return q
+
     for size, n in ((4 << 20, 64), (64 << 10, 64), (300 << 20, 4)):
         for r in range(rounds):
             ts = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            hs = [buf.raw[:lib.vmm_torch_share(t.data_ptr(), buf, len(buf))] for t in ts]
+            del errors[:]
+            hs = [share(t.data_ptr()) for t in ts]
             t1 = time.perf_counter()
-            ps = [lib.vmm_torch_import(0, h, len(h)) for h in hs]
+            ps = [imp(h) for h in hs]
             t2 = time.perf_counter()
             for q in ps:
-                lib.vmm_torch_close_import(q)
+                if q:
+                    lib.vmm_torch_close_import(q)
             t3 = time.perf_counter()
-            fds = sum(int.from_bytes(h[12:16], "little") for h in hs)  # the handle's fd count
+            fds = sum(int.from_bytes(h[12:16], "little") for h in hs if h)  # the handle's fd count
             print(json.dumps({"bytes": size, "blocks": n, "round": r, "share_us": round((t1 - t0) / n * 1e6, 1),
                               "import_us": round((t2 - t1) / n * 1e6, 1), "close_us": round((t3 - t2) / n * 1e6, 1),
-                              "chunks_per_block": fds / n, "ok": all(ps)}), flush=True)
+                              "chunks_per_block": fds / n, "ok": all(ps), "errors": len(errors),
+                              "first_errors": sorted(set(errors))[:3]}), flush=True)
             del ts
 
 

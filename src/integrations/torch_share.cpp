@@ -19,13 +19,14 @@
 // the same chunks, as tensors of one model do, cost one import, one map and one set_access
 // together instead of one each (~75 us per block on an H200, bench/RESULTS.md runs 126-127).
 // PyTorch's expandable segments share whole segments for the same reason.
+#include <sys/random.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <map>
-#include <random>
 #include <tuple>
 #include <cstdint>
 #include <cstring>
@@ -98,10 +99,13 @@ tables& state() {
 }
 std::atomic<std::size_t> share_count{0};
 
-std::uint64_t process_nonce() {
+// getrandom, not std::random_device: that may throw (a failing RDRAND), this cannot fail here.
+std::uint64_t process_nonce() noexcept {
   static const std::uint64_t n = [] {
-    std::random_device rd;
-    return (std::uint64_t{rd()} << 32) ^ rd() ^ static_cast<std::uint64_t>(::getpid());
+    std::uint64_t v = 0;
+    if (::getrandom(&v, sizeof v, GRND_NONBLOCK) != static_cast<ssize_t>(sizeof v))
+      v = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    return v ^ (static_cast<std::uint64_t>(::getpid()) << 32);
   }();
   return n;
 }

@@ -13,18 +13,13 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
 
-from checks import expect, failures  # noqa: E402  (tests/integrations/checks.py)
+from checks import SKIP, expect, failures, torch_or_skip  # noqa: E402  (tests/integrations/checks.py)
 
 
 def main():
-    try:
-        import torch
-    except Exception as e:
-        print("test_torch_api: skipped: torch not importable (%s)" % e)
-        return 77
-    if not torch.cuda.is_available():
-        print("test_torch_api: skipped: no CUDA device")
-        return 77
+    torch = torch_or_skip("test_torch_api")
+    if torch is None:
+        return SKIP
     import vmmalloc_torch as vt
 
     print("library:", vt.enable())

@@ -33,7 +33,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "python"))
 
-from checks import expect, failures  # noqa: E402  (tests/integrations/checks.py)
+from checks import SKIP, expect, failures, torch_or_skip  # noqa: E402  (tests/integrations/checks.py)
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):
@@ -298,14 +298,9 @@ def worker(which, out_path):
 def main():
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         return worker(sys.argv[2], sys.argv[3])
-    try:
-        import torch
-    except Exception as e:
-        print("test_torch_graphs: skipped: torch not importable (%s)" % e)
-        return 77
-    if not torch.cuda.is_available():  # counts devices: CUDA is not started here
-        print("test_torch_graphs: skipped: no CUDA device")
-        return 77
+    torch = torch_or_skip("test_torch_graphs")  # CUDA is not started here
+    if torch is None:
+        return SKIP
     env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONWARNINGS="default")
     res = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from checks import SKIP, torch_or_skip  # tests/integrations/checks.py, beside this script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(HERE, "..", "..", "tools", "python")
 
@@ -150,19 +152,9 @@ def mib(n):
 def main():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded, in this process or the runs
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install that fails on import
-        print("test_torch_llama: skipped: torch/transformers not importable (%s)" % e)
-        return 77
-    import torch
-
-    if not torch.cuda.is_available():
-        print("test_torch_llama: skipped: no CUDA device")
-        return 77
-    if torch.cuda.device_count() < 1:
-        return 77
+    torch = torch_or_skip("test_torch_llama", also=("transformers",))
+    if torch is None:
+        return SKIP
 
     native = run("native")
     vmm = run("vmm")

@@ -22,19 +22,14 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
 
-from checks import expect, failures  # noqa: E402  (tests/integrations/checks.py)
+from checks import SKIP, expect, failures, torch_or_skip  # noqa: E402  (tests/integrations/checks.py)
 
 
 def main():
-    try:
-        import torch
-        import torch.nn as nn
-    except Exception as e:
-        print("test_torch_mempool: skipped: torch not importable (%s)" % e)
-        return 77
-    if not torch.cuda.is_available():
-        print("test_torch_mempool: skipped: no CUDA device")
-        return 77
+    torch = torch_or_skip("test_torch_mempool")
+    if torch is None:
+        return SKIP
+    import torch.nn as nn
     if not hasattr(torch.cuda, "MemPool") or not hasattr(torch.cuda, "use_mem_pool"):
         expect(False, "torch %s has torch.cuda.MemPool and use_mem_pool" % torch.__version__)
         return 1

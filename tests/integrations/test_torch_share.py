@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "python"))
 
-from checks import expect, failures  # noqa: E402  (tests/integrations/checks.py)
+from checks import SKIP, expect, failures, torch_or_skip  # noqa: E402  (tests/integrations/checks.py)
 
 BIG = 300 << 20  # bytes: past the huge threshold (256 MiB), its own chunks
 
@@ -75,15 +75,10 @@ def child_without_ipc(to_parent):
 
 
 def main():
-    try:
-        import torch
-        import torch.multiprocessing as mp
-    except Exception as e:
-        print("test_torch_share: skipped: torch not importable (%s)" % e)
-        return 77
-    if not torch.cuda.is_available():
-        print("test_torch_share: skipped: no CUDA device")
-        return 77
+    torch = torch_or_skip("test_torch_share")
+    if torch is None:
+        return SKIP
+    import torch.multiprocessing as mp
     import vmmalloc_torch as vt
 
     os.environ["VMMALLOC_IPC"] = "posix_fd"  # before the first allocation; the child inherits it

@@ -26,15 +26,16 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <map>
-#include <tuple>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -69,13 +70,14 @@ struct set_key {
     return std::tie(pid, nonce, device, ids) < std::tie(o.pid, o.nonce, o.device, o.ids);
   }
 };
+struct mapping;
+using set_map = std::map<set_key, mapping*>;
 struct mapping {
   ipc::imported m;
   std::uintptr_t base = 0;    // the first chunk here
   std::uint64_t bytes = 0;    // all its chunks
   std::size_t refs = 0;       // imports not yet closed
-  bool keyed = false;         // in tables::by_set (chunks without export ids are not)
-  set_key key;
+  std::optional<set_map::iterator> in_set;  // its entry in tables::by_set (none without export ids)
 };
 struct import_ref {
   mapping* m;
@@ -89,7 +91,7 @@ struct tables {
   std::unordered_map<const void*, shared_block> shares;  // live blocks shared, by address
   std::mutex import_mu;
   std::unordered_map<mapping*, std::unique_ptr<mapping>> mappings;
-  std::map<set_key, mapping*> by_set;
+  set_map by_set;
   std::unordered_map<void*, import_ref> imports;  // by the address handed out
   std::uint64_t open_imports = 0;
 };
@@ -261,7 +263,7 @@ void* vmm_torch_import(int device, const char* bytes, int64_t n) try {
       return nullptr;
     }
     auto* p = reinterpret_cast<void*>(m.base + offset);
-    auto [it, fresh] = t.imports.try_emplace(p, import_ref{&m, 0});  // may throw: nothing changed yet
+    auto it = t.imports.try_emplace(p, import_ref{&m, 0}).first;  // may throw: nothing changed yet
     ++it->second.count;
     ++m.refs;
     ++t.open_imports;
@@ -320,14 +322,10 @@ void* vmm_torch_import(int device, const char* bytes, int64_t n) try {
       mapping& r = *m;
       auto [mit, ok] = t.mappings.emplace(&r, std::move(m));
       try {
-        if (keyed) {
-          r.keyed = true;
-          r.key = key;
-          t.by_set.emplace(key, &r);
-        }
+        if (keyed) r.in_set = t.by_set.emplace(std::move(key), &r).first;
         p = take(r);
       } catch (...) {
-        if (r.keyed) t.by_set.erase(r.key);
+        if (r.in_set) t.by_set.erase(*r.in_set);
         lost = std::move(mit->second);
         t.mappings.erase(mit);
         throw;  // lost's destructor unmaps
@@ -354,7 +352,7 @@ int vmm_torch_close_import(void* ptr) try {
     if (--it->second.count == 0) t.imports.erase(it);
     --t.open_imports;
     if (--m->refs == 0) {  // the last import on these chunks: unmapped below, outside the lock
-      if (m->keyed) t.by_set.erase(m->key);
+      if (m->in_set) t.by_set.erase(*m->in_set);
       auto mit = t.mappings.find(m);
       last = std::move(mit->second);
       t.mappings.erase(mit);

@@ -68,25 +68,85 @@ VMM_CONFORMANCE_INVOKE(host_traits)
 // ---- backend: the driver's rules, enforced by the host backend ----
 
 TEST_CASE("host backend: map only inside a reservation, unmap exactly what was mapped") {
-  vmm::host_backend b;
+  auto log = std::make_shared<vmm::test::violation_log>();
+  vmm::host_backend b(vmm::test::recording(log));
   vmm::chunk_props props;
   auto r = b.reserve(8 * G2, G2);
   REQUIRE(r.ok());
   auto h = b.create(2 * G2, props);
   REQUIRE(h.ok());
+  // Each refusal is a violation of the driver's contract, reported with the call named.
+  auto refused = [&](vmm::status st, const char* call, const char* why) {
+    CHECK(st.kind == vmm::errc::invalid_value);
+    INFO(log->last());
+    CHECK(log->last().find(call) != std::string::npos);
+    CHECK(log->last().find(why) != std::string::npos);
+  };
   CHECK(b.map(r.value + G2, 2 * G2, h.value, 0).ok());
-  CHECK(b.map(r.value + 2 * G2, G2, h.value, 0).kind == vmm::errc::invalid_value);  // overlaps
-  CHECK(b.map(r.value + 100, G2, h.value, 0).kind == vmm::errc::invalid_value);     // misaligned
-  CHECK(b.map(r.value + 7 * G2, 2 * G2, h.value, 0).kind == vmm::errc::invalid_value);  // past the end
-  CHECK(b.unmap(r.value + G2, G2).kind == vmm::errc::invalid_value);  // part of a mapping
-  CHECK(b.free_reservation(r.value, 8 * G2).kind == vmm::errc::invalid_value);  // still mapped
+  refused(b.map(r.value + 2 * G2, G2, h.value, 0), "cuMemMap", "over VA that is mapped");
+  refused(b.map(r.value + 100, G2, h.value, 0), "cuMemMap", "off the granularity");
+  refused(b.map(r.value + 7 * G2, 2 * G2, h.value, 0), "cuMemMap", "outside every reservation");
+  refused(b.unmap(r.value + G2, G2), "cuMemUnmap", "not exactly one mapping");
+  refused(b.free_reservation(r.value, 8 * G2), "cuMemAddressFree", "still holds mappings");
+  refused(b.set_access(r.value, 2 * G2, {}), "cuMemSetAccess", "not wholly mapped");
   CHECK(b.unmap(r.value + G2, 2 * G2).ok());
   CHECK(b.release(h.value).ok());
-  CHECK(b.release(h.value).kind == vmm::errc::invalid_value);
+  refused(b.release(h.value), "cuMemRelease", "not a live handle");         // twice
+  refused(b.map(r.value, 2 * G2, h.value, 0), "cuMemMap", "not a live handle");  // after its release
+  CHECK(log->count() == 8);
   CHECK(b.free_reservation(r.value, 8 * G2).ok());
   CHECK(b.live_handles() == 0);
   CHECK(b.live_mappings() == 0);
   CHECK(b.live_reservations() == 0);
+}
+
+// The driver may corrupt its own state (a double free inside cuMemUnmap was seen on an H200) when
+// two threads call it at once on one handle or on overlapping VA: the host backend sees every call
+// in flight, whichever thread the scheduler runs first, and names both.
+TEST_CASE("host backend: two calls in flight at once on one handle or on overlapping VA are violations") {
+  auto log = std::make_shared<vmm::test::violation_log>();
+  vmm::host_backend_options o = vmm::test::recording(log);
+  o.call_us = 200000;  // each call stays in flight 0.2 s: the second thread's call starts meanwhile
+  vmm::host_backend b(o);
+  auto r = b.reserve(4 * G2, G2);
+  auto h = b.create(G2, {});
+  auto h2 = b.create(G2, {});
+  REQUIRE((r.ok() && h.ok() && h2.ok()));
+  REQUIRE(b.map(r.value, G2, h.value, 0).ok());
+  auto race = [&](auto first, auto second) {
+    std::thread t(first);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    vmm::status st = second();
+    t.join();
+    return st;
+  };
+  // A release of the handle another thread is unmapping.
+  vmm::status rel = race([&] { CHECK(b.unmap(r.value, G2).ok()); }, [&] { return b.release(h.value); });
+  CHECK_FALSE(rel.ok());
+  CHECK(log->last().find("cuMemRelease(handle") != std::string::npos);
+  CHECK(log->last().find("while cuMemUnmap(va") != std::string::npos);
+  CHECK(log->last().find("on one handle") != std::string::npos);
+  // The handle mapped at a second place while its first mapping's unmap is in flight.
+  REQUIRE(b.map(r.value, G2, h.value, 0).ok());
+  vmm::status second = race([&] { CHECK(b.unmap(r.value, G2).ok()); },
+                            [&] { return b.map(r.value + 2 * G2, G2, h.value, 0); });
+  CHECK_FALSE(second.ok());
+  CHECK(log->last().find("cuMemMap(va") != std::string::npos);
+  CHECK(log->last().find("on one handle") != std::string::npos);
+  // The VA mapped again (another handle) before its unmap returned.
+  REQUIRE(b.map(r.value, G2, h.value, 0).ok());
+  vmm::status reuse = race([&] { CHECK(b.unmap(r.value, G2).ok()); }, [&] { return b.map(r.value, G2, h2.value, 0); });
+  CHECK_FALSE(reuse.ok());
+  CHECK(log->last().find("on overlapping VA") != std::string::npos);
+  CHECK(log->count() == 3);
+  // Calls on other handles and other VA run side by side.
+  REQUIRE(b.map(r.value, G2, h.value, 0).ok());
+  CHECK(race([&] { CHECK(b.unmap(r.value, G2).ok()); }, [&] { return b.map(r.value + G2, G2, h2.value, 0); }).ok());
+  CHECK(log->count() == 3);
+  CHECK(b.unmap(r.value + G2, G2).ok());
+  CHECK(b.release(h.value).ok());
+  CHECK(b.release(h2.value).ok());
+  CHECK(b.free_reservation(r.value, 4 * G2).ok());
 }
 
 TEST_CASE("host backend: a mapping has no access until set_access, then the CPU can use it") {

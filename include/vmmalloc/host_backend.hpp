@@ -3,10 +3,24 @@
 // without a GPU (CI). memfd chunks, PROT_NONE reservations, MAP_FIXED mappings, mprotect for
 // access, dup for export. Devices are simulated ids (0 = owner, others are peers); the CPU's page
 // protection follows the owner's (device 0's) access mode.
+//
+// It is also the model of the CUDA driver's contract that every CI test runs against. A call the
+// driver would refuse or corrupt its own state on is a violation, reported loudly (the process
+// aborts with both calls named, as the driver may crash):
+//   - two calls in flight at once on overlapping VA ranges or on one handle (map, unmap,
+//     set_access, release, export, free_reservation): a release of a handle another thread is
+//     unmapping, a VA mapped again before its unmap returned;
+//   - an unmap that is not exactly one mapping, a map over mapped VA or outside a reservation;
+//   - a handle used after its release (handles are never reused, so a stale one is unknown);
+//   - sizes, addresses and offsets off the granularity, a set_access over unmapped VA, a free of a
+//     reservation that still holds mappings.
+// Calls run outside the backend's own mutex: it registers each call in flight and checks the
+// others before it serialises anything, so it cannot hide a race the driver would not survive.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,6 +33,13 @@ struct host_backend_options {
   std::size_t physical_limit = std::size_t{64} << 30;  // simulated device memory (create fails past it)
   int device_count = 2;                               // simulated devices, for access policies
   bool fabric_supported = false;                      // simulate fabric export (falls back otherwise)
+  // A violation of the driver's contract (see above): empty = print both calls and abort. A
+  // handler (tests of the contract itself) gets the text instead, and the call is refused.
+  std::function<void(const std::string&)> on_violation;
+  // Microseconds each map, unmap, set_access, create, release and export stays in flight (the
+  // real driver takes 1-600 us): races the driver's windows expose show up here too. 0 = as fast
+  // as mmap.
+  unsigned call_us = 0;
 };
 
 class host_backend {
@@ -61,6 +82,8 @@ class host_backend {
   status end_capture(stream_t, std::string* why = nullptr);
   // Simulated access a device has at va (what cuMemGetAccess would report).
   access_mode access_of(std::uintptr_t va, int device);
+  // The memfd behind a live handle (-1: none), for tests that look at the files themselves.
+  int fd_of(mem_handle);
   // Live object counts, for leak checks.
   std::size_t live_handles();
   std::size_t live_mappings();

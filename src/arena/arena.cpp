@@ -53,17 +53,18 @@ arena::~arena() {
   if (!b_) return;
   // Teardown cannot report errors: each step is made once more if refused (a driver call refused
   // once, as in the fault-injection sweep, must not leak a handle, a mapping or the reservation).
+  bool mapped = false;  // something the driver would not unmap: the reservation stays
   for (auto& c : chunks_) {
     if (!c.size) continue;
-    (void)vm::driver::twice([&] { return drv_.unmap(c.va, c.size); });
+    mapped |= !vm::driver::twice([&] { return drv_.unmap(c.va, c.size); }).ok();
     (void)vm::driver::twice([&] { return drv_.release(c.handle); });
   }
   (void)poll_retiring(true);
-  for (const auto& r : retiring_) (void)vm::driver::twice([&] { return drv_.unmap(r.va, r.size); });
+  for (const auto& r : retiring_) mapped |= !vm::driver::twice([&] { return drv_.unmap(r.va, r.size); }).ok();
   for (auto& e : idle_) (void)vm::driver::twice([&] { return drv_.release(e.second); });
   for (auto& d : doomed_) (void)vm::driver::twice([&] { return drv_.release(d.h); });
   (void)strays_.retry(drv_);
-  (void)res_.reset();
+  (void)res_.close(mapped || strays_.holds_mappings());
 }
 
 void arena::idle_put(mem_handle h, std::size_t size) {

@@ -1,11 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// host_backend: real host memory with the CUDA VMM semantics (see backend.hpp for the contract).
-// reserve = mmap(PROT_NONE, MAP_NORESERVE); create = memfd_create + ftruncate; map = mmap(MAP_FIXED,
-// fd) with PROT_NONE; set_access = mprotect; unmap = MAP_FIXED PROT_NONE anonymous remap (keeps the
-// range reserved); export = dup. A registry checks the driver's rules (map only inside a
-// reservation and only over unmapped pages; unmap exactly what one map mapped) so that bugs in the
-// arena show up in CI exactly as they would on a GPU.
+// host_backend: real host memory with the CUDA VMM semantics, and the model of the driver's
+// contract (see host_backend.hpp). reserve = mmap(PROT_NONE, MAP_NORESERVE); create = memfd_create
+// + ftruncate; map = mmap(MAP_FIXED, fd) with PROT_NONE; set_access = mprotect; unmap = MAP_FIXED
+// PROT_NONE anonymous remap (keeps the range reserved); export = dup.
+//
+// Every call that touches VA or a handle has three steps: under the mutex it checks the contract
+// against the registry and against the calls in flight, and registers itself; without the mutex
+// it makes the system calls (and stays in flight call_us); under the mutex again it updates the
+// registry and leaves. Two calls that overlap in VA or share a handle are thus seen in flight
+// together, whichever thread the scheduler runs first.
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -14,10 +21,12 @@
 #include <utility>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "vmmalloc/host_backend.hpp"
@@ -60,6 +69,19 @@ int prot_of(access_mode m) {
   }
 }
 
+std::string hex(std::uintptr_t v) {
+  char b[24];
+  std::snprintf(b, sizeof b, "0x%" PRIxPTR, v);
+  return b;
+}
+
+std::string bytes(std::size_t n) {
+  constexpr std::size_t M = std::size_t{1} << 20;
+  return n % M == 0 ? std::to_string(n / M) + " MiB" : std::to_string(n) + " B";
+}
+
+long thread_number() { return static_cast<long>(::syscall(SYS_gettid)); }
+
 }  // namespace
 
 struct host_backend::impl {
@@ -68,6 +90,11 @@ struct host_backend::impl {
   std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   std::size_t created_bytes = 0;  // physical bytes of live handles (simulated device memory)
 
+  struct handle_rec {
+    int fd;
+    std::size_t size;
+    std::size_t accounted;  // bytes counted in created_bytes (0: imported, the exporter's memory)
+  };
   struct mapping {
     std::size_t size;
     mem_handle handle;
@@ -75,8 +102,22 @@ struct host_backend::impl {
   };
   std::map<std::uintptr_t, std::size_t> reservations;  // va -> size
   std::map<std::uintptr_t, mapping> mappings;          // va -> mapping
-  std::unordered_map<int, std::size_t> handles;        // fd -> size (created or imported)
-  std::unordered_map<int, std::size_t> accounted;      // fd -> bytes counted in created_bytes
+  // Handle values are never reused (the driver's may be, but a value used after its release
+  // must be caught, not mistaken for a newer handle).
+  std::unordered_map<mem_handle, handle_rec> handles;
+  mem_handle next_handle = 0x10001;
+
+  // A call in flight: the VA and the handles it touches.
+  struct call {
+    std::uint64_t id;
+    const char* op;
+    std::uintptr_t va;
+    std::size_t size;  // 0: no VA
+    std::vector<mem_handle> hs;
+    long thread;
+  };
+  std::vector<call> flight;
+  std::uint64_t next_call = 1;
 
   // Fences: a fence is pending while its stream is held. Ids are never reused.
   fence_t next_fence = 1;
@@ -115,6 +156,56 @@ struct host_backend::impl {
     return false;
   }
   bool aligned(std::uintptr_t v) const { return v % opt.granularity == 0; }
+  const handle_rec* handle(mem_handle h) const {
+    auto it = handles.find(h);
+    return it == handles.end() ? nullptr : &it->second;
+  }
+
+  static std::string describe(const call& c) {
+    std::string s = std::string(c.op) + "(";
+    if (c.size) s += "va " + hex(c.va) + ", " + bytes(c.size);
+    for (std::size_t i = 0; i < c.hs.size(); ++i) s += (c.size || i ? ", handle " : "handle ") + hex(c.hs[i]);
+    return s + ") on thread " + std::to_string(c.thread);
+  }
+  // Caller holds mu. Registers c in flight; "" or the violation: the call already in flight that
+  // overlaps it in VA or shares a handle with it.
+  std::string begin(call& c) {
+    c.id = next_call++;
+    c.thread = thread_number();
+    for (const call& f : flight) {
+      const bool va = c.size && f.size && c.va < f.va + f.size && f.va < c.va + c.size;
+      bool h = false;
+      for (mem_handle x : c.hs)
+        for (mem_handle y : f.hs) h = h || x == y;
+      if (va || h)
+        return describe(c) + " began while " + describe(f) + " was in flight: two driver calls at once " +
+               (h ? "on one handle" : "on overlapping VA");
+    }
+    flight.push_back(c);
+    return {};
+  }
+  void end(std::uint64_t id) {
+    for (std::size_t i = 0; i < flight.size(); ++i)
+      if (flight[i].id == id) {
+        flight[i] = std::move(flight.back());
+        flight.pop_back();
+        return;
+      }
+  }
+  void dwell() const {
+    if (opt.call_us) std::this_thread::sleep_for(std::chrono::microseconds(opt.call_us));
+  }
+  // A violation: reported (abort, or the handler) after mu is dropped; the call is refused.
+  status violation(std::unique_lock<std::mutex>& g, const std::string& what, status refusal) {
+    g.unlock();
+    if (opt.on_violation) {
+      opt.on_violation(what);
+      return refusal;
+    }
+    std::fprintf(stderr, "vmmalloc host backend: the CUDA driver's contract was broken: %s\n", what.c_str());
+    std::fflush(stderr);
+    std::abort();
+  }
 };
 
 namespace {
@@ -139,7 +230,7 @@ status host_backend::impl::unsafe(const char* op) {
 }
 
 host_backend::host_backend(host_backend_options o) : p_(std::make_unique<impl>()) {
-  p_->opt = o;
+  p_->opt = std::move(o);
   if (p_->opt.granularity == 0 || p_->opt.granularity % p_->page != 0) p_->opt.granularity = p_->page;
 }
 host_backend::~host_backend() = default;
@@ -158,9 +249,17 @@ result<granularity_info> host_backend::granularity(const chunk_props& p) {
 }
 
 result<std::uintptr_t> host_backend::reserve(std::size_t size, std::size_t align) {
-  if (size == 0 || size % p_->opt.granularity) return {0, errno_status(EINVAL, "mmap")};
-  if (align < p_->page) align = p_->page;
-  if (align & (align - 1)) return {0, errno_status(EINVAL, "mmap")};
+  impl& m = *p_;
+  std::unique_lock g(m.mu);
+  if (status u = m.unsafe("cuMemAddressReserve"); !u.ok()) return {0, u};
+  if (size == 0 || size % m.opt.granularity)
+    return {0, m.violation(g, "cuMemAddressReserve of " + bytes(size) + ": not a multiple of the granularity",
+                           errno_status(EINVAL, "mmap"))};
+  if (align & (align - 1))
+    return {0, m.violation(g, "cuMemAddressReserve aligned to " + std::to_string(align) + ": not a power of two",
+                           errno_status(EINVAL, "mmap"))};
+  g.unlock();
+  if (align < m.page) align = m.page;
   std::size_t total = size + align;
   if (total < size) return {0, errno_status(ENOMEM, "mmap")};
   void* raw = ::mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -169,36 +268,50 @@ result<std::uintptr_t> host_backend::reserve(std::size_t size, std::size_t align
   auto va = (base + align - 1) & ~(align - 1);
   if (va > base) ::munmap(raw, va - base);  // trim head and tail so the range is exact
   if (base + total > va + size) ::munmap(reinterpret_cast<void*>(va + size), base + total - va - size);
-  std::lock_guard g(p_->mu);
-  if (status u = p_->unsafe("cuMemAddressReserve"); !u.ok()) return {{}, u};
-  p_->reservations[va] = size;
+  g.lock();
+  m.reservations[va] = size;
   return {va, {}};
 }
 
 status host_backend::free_reservation(std::uintptr_t va, std::size_t size) {
-  std::lock_guard g(p_->mu);
-  if (status u = p_->unsafe("cuMemAddressFree"); !u.ok()) return u;
-  auto it = p_->reservations.find(va);
-  if (it == p_->reservations.end() || it->second != size) return errno_status(EINVAL, "munmap");
-  if (p_->overlaps_mapping(va, size)) return errno_status(EINVAL, "munmap");  // driver refuses too
+  impl& m = *p_;
+  std::unique_lock g(m.mu);
+  if (status u = m.unsafe("cuMemAddressFree"); !u.ok()) return u;
+  auto it = m.reservations.find(va);
+  if (it == m.reservations.end() || it->second != size)
+    return m.violation(g, "cuMemAddressFree(va " + hex(va) + ", " + bytes(size) + "): no reservation is exactly that",
+                       errno_status(EINVAL, "munmap"));
+  if (m.overlaps_mapping(va, size))
+    return m.violation(g, "cuMemAddressFree(va " + hex(va) + ", " + bytes(size) + ") while it still holds mappings",
+                       errno_status(EINVAL, "munmap"));
+  impl::call c{0, "cuMemAddressFree", va, size, {}, 0};
+  if (std::string v = m.begin(c); !v.empty()) return m.violation(g, v, errno_status(EINVAL, "munmap"));
+  g.unlock();
+  m.dwell();
+  g.lock();
+  // Under the mutex: once the kernel has the VA back, a reserve on another thread may get it.
   ::munmap(reinterpret_cast<void*>(va), size);
-  p_->reservations.erase(it);
+  m.reservations.erase(va);
+  m.end(c.id);
   return {};
 }
 
 result<mem_handle> host_backend::create(std::size_t size, const chunk_props& p) {
-  if (size == 0 || size % p_->opt.granularity) return {0, errno_status(EINVAL, "memfd_create")};
-  if (p.location == location_kind::device && (p.id < 0 || p.id >= p_->opt.device_count))
-    return {0, errno_status(EINVAL, "memfd_create")};
-  if (p.ipc == ipc_kind::fabric && !p_->opt.fabric_supported)
-    return {0, errno_status(EOPNOTSUPP, "memfd_create")};
+  impl& m = *p_;
   {
-    std::lock_guard g(p_->mu);
-    if (status u = p_->unsafe("cuMemCreate"); !u.ok()) return {{}, u};
-    if (size > p_->opt.physical_limit - std::min(p_->created_bytes, p_->opt.physical_limit))
+    std::unique_lock g(m.mu);
+    if (status u = m.unsafe("cuMemCreate"); !u.ok()) return {0, u};
+    if (size == 0 || size % m.opt.granularity)
+      return {0, m.violation(g, "cuMemCreate of " + bytes(size) + ": not a multiple of the granularity",
+                             errno_status(EINVAL, "memfd_create"))};
+    if (p.location == location_kind::device && (p.id < 0 || p.id >= m.opt.device_count))
+      return {0, errno_status(EINVAL, "memfd_create")};
+    if (p.ipc == ipc_kind::fabric && !m.opt.fabric_supported) return {0, errno_status(EOPNOTSUPP, "memfd_create")};
+    if (size > m.opt.physical_limit - std::min(m.created_bytes, m.opt.physical_limit))
       return {0, errno_status(ENOMEM, "memfd_create")};
-    p_->created_bytes += size;  // claim first, so concurrent creates cannot overshoot the limit
+    m.created_bytes += size;  // claim first, so concurrent creates cannot overshoot the limit
   }
+  m.dwell();
   int fd = ::memfd_create("vmmalloc", MFD_CLOEXEC);
   int err = fd < 0 ? errno : 0;
   const char* failed = "memfd_create";
@@ -208,112 +321,177 @@ result<mem_handle> host_backend::create(std::size_t size, const chunk_props& p) 
     ::close(fd);
     fd = -1;
   }
-  std::lock_guard g(p_->mu);
+  std::lock_guard g(m.mu);
   if (fd < 0) {
-    p_->created_bytes -= size;
+    m.created_bytes -= size;
     return {0, errno_status(err, failed)};
   }
-  p_->handles[fd] = size;
-  p_->accounted[fd] = size;
-  return {static_cast<mem_handle>(fd), {}};
+  const mem_handle h = m.next_handle++;
+  m.handles[h] = {fd, size, size};
+  return {h, {}};
 }
 
 status host_backend::release(mem_handle h) {
-  int fd = static_cast<int>(h);
-  std::lock_guard g(p_->mu);
-  if (status u = p_->unsafe("cuMemRelease"); !u.ok()) return u;
-  auto it = p_->handles.find(fd);
-  if (it == p_->handles.end()) return errno_status(EBADF, "close");
-  // Memory stays while mapped (memfd keeps its pages for live mappings), like cuMemRelease.
-  // The simulated device memory is given back here; mapped-but-released bytes are rare and short.
-  if (auto a = p_->accounted.find(fd); a != p_->accounted.end()) {
-    p_->created_bytes -= a->second;
-    p_->accounted.erase(a);
-  }
-  p_->handles.erase(it);
+  impl& m = *p_;
+  std::unique_lock g(m.mu);
+  if (status u = m.unsafe("cuMemRelease"); !u.ok()) return u;
+  const impl::handle_rec* r = m.handle(h);
+  if (!r)
+    return m.violation(g, "cuMemRelease(handle " + hex(h) + "): not a live handle (released already, or never made)",
+                       errno_status(EBADF, "close"));
+  const int fd = r->fd;
+  impl::call c{0, "cuMemRelease", 0, 0, {h}, 0};
+  if (std::string v = m.begin(c); !v.empty()) return m.violation(g, v, errno_status(EBADF, "close"));
+  g.unlock();
+  m.dwell();
+  // Memory stays while mapped (memfd keeps its pages for live mappings), like cuMemRelease. The
+  // simulated device memory is given back here; mapped-but-released bytes are rare and short.
   ::close(fd);
+  g.lock();
+  m.created_bytes -= m.handles[h].accounted;
+  m.handles.erase(h);
+  m.end(c.id);
   return {};
 }
 
 result<chunk_info> host_backend::query(mem_handle h) {
-  std::lock_guard g(p_->mu);
-  auto it = p_->handles.find(static_cast<int>(h));
-  if (it == p_->handles.end()) return {{}, errno_status(EBADF, "fstat")};
+  impl& m = *p_;
+  std::unique_lock g(m.mu);
+  if (!m.handle(h))
+    return {{}, m.violation(g, "cuMemGetAllocationPropertiesFromHandle(handle " + hex(h) + "): not a live handle",
+                            errno_status(EBADF, "fstat"))};
   return {{false}, {}};  // the host never grants compression
 }
 
 status host_backend::map(std::uintptr_t va, std::size_t size, mem_handle h, std::size_t offset) {
-  std::lock_guard g(p_->mu);
-  if (status u = p_->unsafe("cuMemMap"); !u.ok()) return u;
-  int fd = static_cast<int>(h);
-  auto hit = p_->handles.find(fd);
-  if (hit == p_->handles.end()) return errno_status(EBADF, "mmap");
-  if (size == 0 || !p_->aligned(va) || !p_->aligned(size) || !p_->aligned(offset) ||
-      offset + size > hit->second || offset + size < offset)
-    return errno_status(EINVAL, "mmap");
+  impl& m = *p_;
+  std::unique_lock g(m.mu);
+  if (status u = m.unsafe("cuMemMap"); !u.ok()) return u;
+  const std::string what = "cuMemMap(va " + hex(va) + ", " + bytes(size) + ", handle " + hex(h) + ")";
+  const impl::handle_rec* r = m.handle(h);
+  if (!r) return m.violation(g, what + ": not a live handle", errno_status(EBADF, "mmap"));
+  if (size == 0 || !m.aligned(va) || !m.aligned(size) || !m.aligned(offset) || offset + size < offset)
+    return m.violation(g, what + ": size, address or offset off the granularity", errno_status(EINVAL, "mmap"));
+  if (offset + size > r->size) {
+    // An imported handle's size is what another process claimed: refusing it is the driver's
+    // check of that input, not a caller's bug.
+    if (!r->accounted) return errno_status(EINVAL, "mmap");
+    return m.violation(g, what + ": past the handle's " + bytes(r->size), errno_status(EINVAL, "mmap"));
+  }
   // The driver maps a handle from its start only: an offset on the granularity is refused with
   // CUDA_ERROR_NOT_SUPPORTED (H200, driver 580; cuda.h no longer says so), and so is it here.
-  if (offset != 0) return errno_status(EOPNOTSUPP, "mmap");
-  if (!p_->inside_reservation(va, size) || p_->overlaps_mapping(va, size))
-    return errno_status(EINVAL, "mmap");
-  void* r = ::mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd,
-                   static_cast<off_t>(offset));
-  if (r == MAP_FAILED) return errno_status(errno, "mmap");
-  p_->mappings[va] = {size, h, {}};
+  if (offset != 0) return m.violation(g, what + ": offset " + bytes(offset) + " (only 0)", errno_status(EOPNOTSUPP, "mmap"));
+  const int fd = r->fd;
+  // Calls in flight first: a map over VA whose unmap has not returned is that race, not a map
+  // over a mapping.
+  impl::call c{0, "cuMemMap", va, size, {h}, 0};
+  if (std::string v = m.begin(c); !v.empty()) return m.violation(g, v, errno_status(EINVAL, "mmap"));
+  const char* bad = !m.inside_reservation(va, size) ? ": outside every reservation"
+                    : m.overlaps_mapping(va, size)  ? ": over VA that is mapped"
+                                                    : nullptr;
+  if (bad) {
+    m.end(c.id);
+    return m.violation(g, what + bad, errno_status(EINVAL, "mmap"));
+  }
+  g.unlock();
+  m.dwell();
+  void* p = ::mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, 0);
+  const int err = errno;
+  g.lock();
+  m.end(c.id);
+  if (p == MAP_FAILED) return errno_status(err, "mmap");
+  m.mappings[va] = {size, h, {}};
   return {};
 }
 
 status host_backend::unmap(std::uintptr_t va, std::size_t size) {
-  std::lock_guard g(p_->mu);
-  if (status u = p_->unsafe("cuMemUnmap"); !u.ok()) return u;
-  auto it = p_->mappings.find(va);
-  if (it == p_->mappings.end() || it->second.size != size) return errno_status(EINVAL, "munmap");
+  impl& m = *p_;
+  std::unique_lock g(m.mu);
+  if (status u = m.unsafe("cuMemUnmap"); !u.ok()) return u;
+  auto it = m.mappings.find(va);
+  if (it == m.mappings.end() || it->second.size != size) {
+    std::string there = it == m.mappings.end() ? "no mapping starts there"
+                                               : "the mapping there is " + bytes(it->second.size);
+    return m.violation(g, "cuMemUnmap(va " + hex(va) + ", " + bytes(size) + "): not exactly one mapping (" + there + ")",
+                       errno_status(EINVAL, "munmap"));
+  }
+  impl::call c{0, "cuMemUnmap", va, size, {it->second.handle}, 0};
+  if (std::string v = m.begin(c); !v.empty()) return m.violation(g, v, errno_status(EINVAL, "munmap"));
+  g.unlock();
+  m.dwell();
   // Put the reservation back in place (PROT_NONE, no backing), atomically over the old mapping.
-  void* r = ::mmap(reinterpret_cast<void*>(va), size, PROT_NONE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-  if (r == MAP_FAILED) return errno_status(errno, "mmap");
-  p_->mappings.erase(it);
+  void* r = ::mmap(reinterpret_cast<void*>(va), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+                   -1, 0);
+  const int err = errno;
+  g.lock();
+  m.end(c.id);
+  if (r == MAP_FAILED) return errno_status(err, "mmap");
+  m.mappings.erase(va);
   return {};
 }
 
 status host_backend::set_access(std::uintptr_t va, std::size_t size, std::span<const access_desc> acc) {
-  std::lock_guard g(p_->mu);
-  if (status u = p_->unsafe("cuMemSetAccess"); !u.ok()) return u;
-  if (size == 0 || !p_->aligned(va) || !p_->aligned(size)) return errno_status(EINVAL, "mprotect");
+  impl& m = *p_;
+  std::unique_lock g(m.mu);
+  if (status u = m.unsafe("cuMemSetAccess"); !u.ok()) return u;
+  const std::string what = "cuMemSetAccess(va " + hex(va) + ", " + bytes(size) + ")";
+  if (size == 0 || !m.aligned(va) || !m.aligned(size))
+    return m.violation(g, what + ": off the granularity", errno_status(EINVAL, "mprotect"));
   for (auto& a : acc)  // cpu_device: host memory is the CPU's anyway (accepted, nothing to do)
-    if (a.device != cpu_device && (a.device < 0 || a.device >= p_->opt.device_count))
-      return errno_status(EINVAL, "mprotect");
+    if (a.device != cpu_device && (a.device < 0 || a.device >= m.opt.device_count))
+      return m.violation(g, what + ": no device " + std::to_string(a.device), errno_status(EINVAL, "mprotect"));
   // Like cuMemSetAccess, the range must be fully covered by mappings (it may span several).
-  std::uintptr_t cur = va;
-  auto it = p_->mappings.upper_bound(va);
-  if (it == p_->mappings.begin()) return errno_status(EINVAL, "mprotect");
-  --it;
-  if (it->first > va) return errno_status(EINVAL, "mprotect");
-  auto first = it;
-  while (cur < va + size) {
-    if (it == p_->mappings.end() || it->first > cur) return errno_status(EINVAL, "mprotect");
-    cur = it->first + it->second.size;
-    ++it;
+  impl::call c{0, "cuMemSetAccess", va, size, {}, 0};
+  auto it = m.mappings.upper_bound(va);
+  bool covered = it != m.mappings.begin();
+  if (covered) {
+    --it;
+    covered = it->first <= va;
+    for (std::uintptr_t cur = va; covered && cur < va + size; ++it) {
+      covered = it != m.mappings.end() && it->first <= cur;
+      if (!covered) break;
+      cur = it->first + it->second.size;
+      c.hs.push_back(it->second.handle);
+    }
   }
-  for (auto& a : acc) {
-    if (a.device != 0) continue;
-    if (::mprotect(reinterpret_cast<void*>(va), size, prot_of(a.mode)) != 0)
-      return errno_status(errno, "mprotect");
-  }
-  for (auto m = first; m != it; ++m)
+  if (!covered) return m.violation(g, what + ": not wholly mapped", errno_status(EINVAL, "mprotect"));
+  if (std::string v = m.begin(c); !v.empty()) return m.violation(g, v, errno_status(EINVAL, "mprotect"));
+  g.unlock();
+  m.dwell();
+  int err = 0;
+  for (auto& a : acc)
+    if (a.device == 0 && ::mprotect(reinterpret_cast<void*>(va), size, prot_of(a.mode)) != 0) err = errno;
+  g.lock();
+  m.end(c.id);
+  if (err) return errno_status(err, "mprotect");
+  for (auto x = std::prev(m.mappings.upper_bound(va)); x != m.mappings.end() && x->first < va + size; ++x)
     for (auto& a : acc)
-      if (a.device != cpu_device) m->second.access[a.device] = a.mode;
+      if (a.device != cpu_device) x->second.access[a.device] = a.mode;
   return {};
 }
 
 result<shareable_handle> host_backend::export_handle(mem_handle h, ipc_kind k) {
-  std::lock_guard g(p_->mu);
-  if (status u = p_->unsafe("cuMemExportToShareableHandle"); !u.ok()) return {{}, u};
-  if (!p_->handles.count(static_cast<int>(h))) return {{}, errno_status(EBADF, "dup")};
-  if (k == ipc_kind::none) return {{}, errno_status(EINVAL, "dup")};
-  if (k == ipc_kind::fabric && !p_->opt.fabric_supported) return {{}, errno_status(EOPNOTSUPP, "dup")};
-  int fd = ::fcntl(static_cast<int>(h), F_DUPFD_CLOEXEC, 0);
-  if (fd < 0) return {{}, errno_status(errno, "dup")};
+  impl& m = *p_;
+  std::unique_lock g(m.mu);
+  if (status u = m.unsafe("cuMemExportToShareableHandle"); !u.ok()) return {{}, u};
+  const impl::handle_rec* r = m.handle(h);
+  if (!r)
+    return {{}, m.violation(g, "cuMemExportToShareableHandle(handle " + hex(h) + "): not a live handle",
+                            errno_status(EBADF, "dup"))};
+  if (k == ipc_kind::none)
+    return {{}, m.violation(g, "cuMemExportToShareableHandle(handle " + hex(h) + ") as no handle type",
+                            errno_status(EINVAL, "dup"))};
+  if (k == ipc_kind::fabric && !m.opt.fabric_supported) return {{}, errno_status(EOPNOTSUPP, "dup")};
+  const int from = r->fd;
+  impl::call c{0, "cuMemExportToShareableHandle", 0, 0, {h}, 0};
+  if (std::string v = m.begin(c); !v.empty()) return {{}, m.violation(g, v, errno_status(EBADF, "dup"))};
+  g.unlock();
+  m.dwell();
+  int fd = ::fcntl(from, F_DUPFD_CLOEXEC, 0);
+  const int err = errno;
+  g.lock();
+  m.end(c.id);
+  if (fd < 0) return {{}, errno_status(err, "dup")};
   shareable_handle s;
   s.kind = ipc_kind::posix_fd;  // a simulated fabric handle also travels as an fd on the host
   s.fd = fd;
@@ -321,17 +499,19 @@ result<shareable_handle> host_backend::export_handle(mem_handle h, ipc_kind k) {
 }
 
 result<mem_handle> host_backend::import_handle(const shareable_handle& s) {
+  // What arrives from another process is input, not the caller's bug: garbage is an error.
   if (s.kind == ipc_kind::none || s.fd < 0) return {0, errno_status(EINVAL, "dup")};
   struct stat st {};
   if (::fstat(s.fd, &st) != 0) return {0, errno_status(errno, "fstat")};
   if (st.st_size <= 0 || static_cast<std::size_t>(st.st_size) % p_->opt.granularity)
     return {0, errno_status(EINVAL, "fstat")};
-  int fd = ::fcntl(s.fd, F_DUPFD_CLOEXEC, 0);
-  if (fd < 0) return {0, errno_status(errno, "dup")};
   std::lock_guard g(p_->mu);
   if (status u = p_->unsafe("cuMemImportFromShareableHandle"); !u.ok()) return {{}, u};
-  p_->handles[fd] = static_cast<std::size_t>(st.st_size);  // imported memory is the exporter's
-  return {static_cast<mem_handle>(fd), {}};
+  int fd = ::fcntl(s.fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return {0, errno_status(errno, "dup")};
+  const mem_handle h = p_->next_handle++;
+  p_->handles[h] = {fd, static_cast<std::size_t>(st.st_size), 0};  // imported memory is the exporter's
+  return {h, {}};
 }
 
 result<fence_t> host_backend::record_fence(stream_t s) {
@@ -427,6 +607,12 @@ access_mode host_backend::access_of(std::uintptr_t va, int device) {
   if (va >= it->first + it->second.size) return access_mode::none;
   auto a = it->second.access.find(device);
   return a == it->second.access.end() ? access_mode::none : a->second;
+}
+
+int host_backend::fd_of(mem_handle h) {
+  std::lock_guard g(p_->mu);
+  const impl::handle_rec* r = p_->handle(h);
+  return r ? r->fd : -1;
 }
 
 std::size_t host_backend::live_handles() { std::lock_guard g(p_->mu); return p_->handles.size(); }

@@ -178,8 +178,12 @@ void growable_buffer::destroy() noexcept {
   impl& m = *p_;
   // Teardown cannot report errors: each call is made once more if refused (a driver that refuses
   // once must not leak a handle, a mapping or the reservation). Tail first, the reverse of growth.
+  bool mapped = false;  // something the driver would not unmap: the reservation stays
   for (auto it = m.chunks.rbegin(); it != m.chunks.rend(); ++it) {
-    if (!vm::driver::twice([&] { return m.d.unmap(it->va, it->size); }).ok()) continue;  // cannot be reused
+    if (!vm::driver::twice([&] { return m.d.unmap(it->va, it->size); }).ok()) {
+      mapped = true;  // cannot be reused
+      continue;
+    }
     if (m.pool) (void)m.give_to_pool(it->handle, it->size);  // shared: the allocator's to map again
     else (void)vm::driver::twice([&] { return m.d.release(it->handle); });
   }
@@ -187,7 +191,7 @@ void growable_buffer::destroy() noexcept {
   for (const impl::chunk& c : m.idle) (void)vm::driver::twice([&] { return m.d.release(c.handle); });
   m.idle.clear();
   (void)m.strays.retry(m.d);
-  (void)m.res.reset();
+  (void)m.res.close(mapped || m.strays.holds_mappings());
   p_.reset();
   base_ = 0;
   size_ = mapped_ = reserved_ = chunks_ = idle_ = 0;

@@ -59,13 +59,16 @@ status imported::close() noexcept {
   };
   // Each call is made once more if refused (as every teardown does): one refusal must not leak.
   std::uintptr_t va = base_;
+  bool left = false;  // a mapping the driver would not undo: the reservation stays (see vm::reservation::close)
   // Pairs, not structured bindings: clang 14 (the fuzz build) cannot capture a binding.
   for (const auto& hn : handles_) {  // one unmap per map() made
-    keep(vm::driver::twice([&] { return b_->unmap(va, hn.second); }));
+    status u = vm::driver::twice([&] { return b_->unmap(va, hn.second); });
+    left |= !u.ok();
+    keep(u);
     va += hn.second;
   }
   for (const auto& hn : handles_) keep(vm::driver::twice([&] { return b_->release(hn.first); }));
-  if (mapped_) keep(vm::driver::twice([&] { return b_->free_reservation(base_, mapped_); }));
+  if (mapped_ && !left) keep(vm::driver::twice([&] { return b_->free_reservation(base_, mapped_); }));
   handles_.clear();
   b_ = nullptr;
   base_ = 0;

@@ -345,12 +345,13 @@ struct kv_cache::impl {
     calls c;
     {
       counting k(c);
+      bool mapped = false;  // something the driver would not unmap: the reservation stays
       for (std::size_t s = 0; s < slots.size(); ++s) {
         slot& sl = slots[s];
         for (std::size_t p = sl.mapped; p-- > 0;)
           for (std::size_t buf = 0; buf < nbuf; ++buf) {
             const mem_handle h = sl.h[buf * maxp + p];
-            (void)vm::driver::twice([&] { return d.unmap(va_of(buf, s, p), P); });
+            mapped |= !vm::driver::twice([&] { return d.unmap(va_of(buf, s, p), P); }).ok();
             if (vm::driver::twice([&] { return d.release(h); }).ok()) ++st.pages_released;
           }
         sl.mapped = 0;
@@ -360,7 +361,7 @@ struct kv_cache::impl {
         if (vm::driver::twice([&] { return d.release(h); }).ok()) ++st.pages_released;
       pool.clear();
       (void)clean_strays();
-      (void)res.reset();
+      (void)res.close(mapped || strays.holds_mappings());
     }
     account(c, nullptr);
     b.reset();

@@ -45,6 +45,12 @@ class strays {
   // what is still refused stays parked. released: bytes whose handle went back to the driver.
   status retry(driver& d, std::size_t* released = nullptr);
   bool empty() const noexcept { return v_.empty(); }
+  // Whether a mapping the driver refused to undo is still in place (its reservation must stay).
+  bool holds_mappings() const noexcept {
+    for (const auto& e : v_)
+      if (e.mapped) return true;
+    return false;
+  }
   std::size_t size() const noexcept { return v_.size(); }
   const std::vector<entry>& entries() const noexcept { return v_; }
   std::size_t bytes() const noexcept;  // physical bytes parked (still held)

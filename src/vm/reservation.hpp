@@ -50,6 +50,15 @@ class reservation {
     return s;
   }
 
+  // Teardown: frees the range unless a mapping the driver refused to undo is still in it. The
+  // driver will not free a reservation that holds a mapping (and a free over one is a violation
+  // of its contract): the range is then left reserved, its VA lost rather than the driver's state.
+  status close(bool still_mapped) noexcept {
+    if (!still_mapped) return reset();
+    (void)release_without_freeing();
+    return {};
+  }
+
   // Gives up ownership without freeing: the range now belongs to whoever took base()/size().
   std::uintptr_t release_without_freeing() noexcept {
     d_ = nullptr;

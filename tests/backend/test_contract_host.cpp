@@ -8,14 +8,20 @@
 
 #include "backend/contract.hpp"
 #include "support/fault_backend.hpp"
+#include "support/host_alloc.hpp"
 #include "vmmalloc/host_backend.hpp"
 
 namespace {
 
+// The "[refusals]" cases break the driver's contract on purpose: the host backend reports each
+// violation here instead of aborting, and refuses the call as the cases expect.
+std::shared_ptr<vmm::test::violation_log> violations = std::make_shared<vmm::test::violation_log>();
+vmm::host_backend_options contract_options() { return vmm::test::recording(violations); }
+
 // Only the core: the optional parts are missing from the type. It claims every capability bit, so
 // the cases also show that backend_model masks bits a type cannot honour.
 struct core_only_backend {
-  vmm::host_backend host;
+  vmm::host_backend host{contract_options()};
   const char* name() { return "core-only"; }
   unsigned capabilities() { return ~0u; }
   vmm::result<vmm::granularity_info> granularity(const vmm::chunk_props& p) { return host.granularity(p); }
@@ -85,14 +91,14 @@ struct host_common {
 
 struct host_traits : host_common {
   static constexpr const char* name = "host";
-  static std::unique_ptr<vmm::backend_iface> make() { return vmm::make_backend<vmm::host_backend>(); }
+  static std::unique_ptr<vmm::backend_iface> make() { return vmm::make_backend<vmm::host_backend>(contract_options()); }
 };
 
 // Simulated fabric export on, so the fabric round trip runs somewhere without an IMEX channel.
 struct fault_traits : host_common {
   static constexpr const char* name = "fault(host)";
   static std::unique_ptr<vmm::backend_iface> make() {
-    vmm::host_backend_options o;
+    vmm::host_backend_options o = contract_options();
     o.fabric_supported = true;
     return vmm::test::make_fault_host(std::make_shared<vmm::test::fault_state>(), o);
   }

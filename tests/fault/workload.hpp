@@ -15,6 +15,7 @@
 
 #include "fault/pattern.hpp"
 #include "support/fault_backend.hpp"
+#include "support/host_alloc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace vmm::test {
@@ -253,9 +254,16 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
   run_result res;
   auto st = std::make_shared<fault_state>();
   // The host backend outlives the allocator: its own live counts are read after destruction.
-  std::unique_ptr<backend_iface> host = make_backend<host_backend>(sweep_host_options());
+  // Violations of the driver's contract become problems of this run (the sweep reports them all,
+  // each with its configuration, instead of stopping at the first).
+  auto violations = std::make_shared<violation_log>();
+  std::unique_ptr<backend_iface> host = make_backend<host_backend>(recording(violations, sweep_host_options()));
   host_backend* hb = backend_cast<host_backend>(*host);
   auto problem = [&](const std::string& what) { res.problems.push_back(detail::describe(cfg) + ": " + what); };
+  auto done = [&]() -> run_result& {
+    for (const std::string& v : violations->seen) problem("driver contract: " + v);
+    return res;
+  };
   if (cfg.armed && cfg.then) st->arm_then(cfg.which, cfg.k, cfg.f, cfg.then_which, cfg.then_f, cfg.then_times);
   else if (cfg.armed) st->arm(cfg.which, cfg.k, cfg.f, cfg.sticky);
 
@@ -276,7 +284,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
     res.ctor_failed = true;
     if (st->injected() == before) {
       problem("constructor failed without an injected fault: " + got->message());
-      return res;
+      return done();
     }
     if (!st->was_injected(*got))
       problem("constructor: reported " + got->message() + ", injected " + st->last_injected().message());
@@ -289,7 +297,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
   }
   if (!a) {
     problem("allocator could not be constructed after the fault was spent");
-    return res;
+    return done();
   }
   res.after_open = st->all_calls();
 
@@ -488,7 +496,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
   if (!counts_agree()) problem("after destruction the decorator's live counts disagree with the host backend's");
   if (res.handles < 0 || res.mappings < 0 || res.reservations < 0)
     problem("negative live counts: an object was destroyed twice");
-  return res;
+  return done();
 }
 
 }  // namespace vmm::test

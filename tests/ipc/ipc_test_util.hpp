@@ -231,7 +231,12 @@ struct host_allocation {
   }
   std::vector<file_id> inodes() const {
     std::vector<file_id> v;
-    for (auto [mh, s] : chunks) v.push_back(inode_of(static_cast<int>(mh)));
+    for (auto [mh, s] : chunks) {  // an export is a dup of the chunk's file
+      auto sh = b.export_handle(mh, vmm::ipc_kind::posix_fd);
+      if (!sh.ok()) throw std::runtime_error("export: " + sh.st.message());
+      v.push_back(inode_of(sh.value.fd));
+      ::close(sh.value.fd);
+    }
     return v;
   }
   // The exporter frees: unmaps, releases its handles, frees its reservation.

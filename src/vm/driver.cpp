@@ -30,18 +30,106 @@ void driver::failed() noexcept {
   if (tl_scope) ++tl_scope->failures_;
 }
 
+driver::claim::claim(driver& d, footprint f) : d_(d) {
+  std::unique_lock g(d.claim_mu_);
+  auto clashes = [&](const footprint& o) {
+    if (f.n && o.n && f.va < o.va + o.n && o.va < f.va + f.n) return true;
+    for (mem_handle x : f.hs)
+      for (mem_handle y : o.hs)
+        if (x == y) return true;
+    return false;
+  };
+  d.claim_cv_.wait(g, [&] {
+    for (const footprint& o : d.inflight_)
+      if (clashes(o)) return false;
+    return true;
+  });
+  it_ = d.inflight_.insert(d.inflight_.end(), std::move(f));
+}
+
+driver::claim::~claim() {
+  {
+    std::lock_guard g(d_.claim_mu_);
+    d_.inflight_.erase(it_);
+  }
+  d_.claim_cv_.notify_all();
+}
+
+driver::footprint driver::under(std::uintptr_t va, std::size_t n) const {
+  footprint f{va, n, {}};
+  auto it = mapped_.upper_bound(va);
+  if (it != mapped_.begin()) --it;
+  for (; it != mapped_.end() && it->first < va + n; ++it)
+    if (it->first + it->second.first > va) f.hs.push_back(it->second.second);
+  return f;
+}
+
+status driver::map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) {
+  claim c(*this, {va, n, {h}});
+  status st;
+  {
+    relaxed r(*this, n_.ns);
+    st = note(n_.map, b_->map(va, n, h, off));
+  }
+  if (st.ok()) {
+    std::lock_guard g(claim_mu_);
+    mapped_[va] = {n, h};
+  }
+  return st;
+}
+
+status driver::unmap(std::uintptr_t va, std::size_t n) {
+  footprint f;
+  {
+    std::lock_guard g(claim_mu_);
+    f = under(va, n);
+  }
+  claim c(*this, std::move(f));
+  status st;
+  {
+    relaxed r(*this, n_.ns);
+    st = note(n_.unmap, b_->unmap(va, n));
+  }
+  if (st.ok()) {
+    std::lock_guard g(claim_mu_);
+    mapped_.erase(va);
+  }
+  return st;
+}
+
+status driver::set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) {
+  footprint f;
+  {
+    std::lock_guard g(claim_mu_);
+    f = under(va, n);
+  }
+  claim c(*this, std::move(f));
+  relaxed r(*this, n_.ns);
+  return note(n_.set_access, b_->set_access(va, n, a));
+}
+
+status driver::free_reservation(std::uintptr_t va, std::size_t n) {
+  claim c(*this, {va, n, {}});
+  relaxed r(*this, n_.ns);
+  return note(n_.free_reservation, b_->free_reservation(va, n));
+}
+
 driver::~driver() {
   for (auto& [h, e] : exported_) ::close(e.fd);
 }
 
 status driver::release(mem_handle h) {
+  // An exported handle's kept fd goes with it, before another thread's create can be handed the
+  // same handle value back (export_mu_ is held across the release then, before the claim).
+  std::unique_lock ex(export_mu_, std::defer_lock);
+  if (n_exported_.load(std::memory_order_acquire) != 0) ex.lock();
   status st;
   {
+    claim c(*this, {0, 0, {h}});
     relaxed r(*this, n_.ns);
     st = note(n_.release, b_->release(h));
   }
-  if (st.ok() && n_exported_.load(std::memory_order_acquire) != 0) {
-    std::lock_guard g(export_mu_);
+  if (st.ok() && ex.owns_lock()) {
     if (auto it = exported_.find(h); it != exported_.end()) {
       ::close(it->second.fd);
       exported_.erase(it);
@@ -53,6 +141,7 @@ status driver::release(mem_handle h) {
 
 result<shareable_handle> driver::export_handle(mem_handle h, ipc_kind k) {
   if (k != ipc_kind::posix_fd) {
+    claim c(*this, {0, 0, {h}});
     relaxed r(*this, n_.ns);
     return note(n_.export_handle, b_->export_handle(h, k));
   }
@@ -61,6 +150,7 @@ result<shareable_handle> driver::export_handle(mem_handle h, ipc_kind k) {
   if (it == exported_.end()) {
     result<shareable_handle> e;
     {
+      claim c(*this, {0, 0, {h}});
       relaxed r(*this, n_.ns);
       e = note(n_.export_handle, b_->export_handle(h, k));
     }

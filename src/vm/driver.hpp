@@ -7,15 +7,30 @@
 // driver without a lock.
 // A `scope` counts the calls one thread makes while it lives (kv_cache splits its driver calls
 // by path: append vs map-ahead).
+//
+// One call at a time per handle and VA range. The CUDA driver corrupts its own state when two
+// threads call it at once on one handle (a double free inside cuMemUnmap on an H200: one thread
+// unmapped a range of a handle while another mapped that handle elsewhere or released it), and
+// the layers above hand handles from thread to thread (a growth runs outside the allocator's
+// lock). So a call that touches existing VA or handles (map, unmap, set_access, release, export,
+// free_reservation) first claims them: it waits while a call in flight on this driver holds one
+// of its handles or overlaps its VA, and gives them back when the driver returns. Unrelated calls
+// run side by side. The driver keeps which handle each range it mapped holds, so an unmap or a
+// set_access claims the handles under its VA too. Cost: a short mutex and a map update per call,
+// next to the driver's 1-600 us. create, import and reserve make new objects: no claim.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <condition_variable>
+#include <list>
+#include <map>
 #include <mutex>
 #include <span>
 #include <unordered_map>
+#include <vector>
 
 #include "vmmalloc/backend.hpp"
 #include "vmmalloc/stats.hpp"
@@ -34,16 +49,13 @@ class driver {
 
   result<granularity_info> granularity(const chunk_props& p) { return note(n_.granularity, b_->granularity(p)); }
   result<std::uintptr_t> reserve(std::size_t n, std::size_t align) { relaxed r(*this, n_.ns); return note(n_.reserve, b_->reserve(n, align)); }
-  status free_reservation(std::uintptr_t va, std::size_t n) { relaxed r(*this, n_.ns); return note(n_.free_reservation, b_->free_reservation(va, n)); }
+  status free_reservation(std::uintptr_t va, std::size_t n);
   result<mem_handle> create(std::size_t n, const chunk_props& p) { relaxed r(*this, n_.ns); return note(n_.create, b_->create(n, p)); }
   // Closes the handle's exported fd (see export_handle) once the release succeeded.
   status release(mem_handle h);
-  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off) { relaxed r(*this, n_.ns); return note(n_.map, b_->map(va, n, h, off)); }
-  status unmap(std::uintptr_t va, std::size_t n) { relaxed r(*this, n_.ns); return note(n_.unmap, b_->unmap(va, n)); }
-  status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) {
-    relaxed r(*this, n_.ns);
-    return note(n_.set_access, b_->set_access(va, n, a));
-  }
+  status map(std::uintptr_t va, std::size_t n, mem_handle h, std::size_t off);
+  status unmap(std::uintptr_t va, std::size_t n);
+  status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a);
   result<memory_info> mem_info() { relaxed r(*this, n_.ns); return note(n_.mem_info, b_->mem_info()); }
   // A handle is exported as a POSIX fd once (cuMemExportToShareableHandle took ~50 us on an H200,
   // bench/RESULTS.md run 125); later exports of it get a dup of that fd (~1 us, not counted as a
@@ -152,7 +164,32 @@ class driver {
 
   backend_iface* b_;
   bool capture_;  // the backend has the capture part
-  std::mutex export_mu_;                          // the driver is called from several threads
+
+  // Claims (see the top): the VA and handles of each call in flight, and this driver's mappings.
+  struct footprint {
+    std::uintptr_t va = 0;
+    std::size_t n = 0;  // 0: no VA
+    std::vector<mem_handle> hs;
+  };
+  class claim {
+   public:
+    claim(driver& d, footprint f);  // waits until nothing in flight overlaps f
+    ~claim();
+    claim(const claim&) = delete;
+    claim& operator=(const claim&) = delete;
+
+   private:
+    driver& d_;
+    std::list<footprint>::iterator it_;
+  };
+  // Caller holds claim_mu_: the footprint of [va, va+n) with the handles this driver mapped there.
+  footprint under(std::uintptr_t va, std::size_t n) const;
+  std::mutex claim_mu_;
+  std::condition_variable claim_cv_;
+  std::list<footprint> inflight_;
+  std::map<std::uintptr_t, std::pair<std::size_t, mem_handle>> mapped_;  // va -> size, handle
+
+  std::mutex export_mu_;                          // taken before a claim, never while one is held
   struct exported {
     int fd;              // the driver's export, kept; callers get dups
     std::uint64_t id;    // shareable_handle::export_id

@@ -914,14 +914,14 @@ TEST_CASE("arena: a failed set_access rolls back create and map") {
   ho.device_count = 2;
   vmm::arena ar(vmm::make_backend<vmm::host_backend>(ho), o);
   REQUIRE(ar.open().ok());
-  auto r = ar.map_range(4 * MiB, 0, 0);
+  auto r = ar.map_range(4 * MiB, 0, 0, nullptr);
   REQUIRE(r.ok());
   CHECK(ar.check() == "");
   auto s = ar.stats();
   CHECK(s.mapped == 4 * MiB);
   CHECK(s.free_chunk_bytes == 4 * MiB);
   // Out of VA: clean failure, nothing changed.
-  auto r2 = ar.map_range(64 * MiB, 0, 0);
+  auto r2 = ar.map_range(64 * MiB, 0, 0, nullptr);
   CHECK(r2.st.kind == vmm::errc::out_of_memory);
   CHECK(ar.check() == "");
   CHECK(ar.stats().mapped == 4 * MiB);
@@ -929,7 +929,7 @@ TEST_CASE("arena: a failed set_access rolls back create and map") {
   REQUIRE(id != vmm::arena::no_chunk);
   CHECK(ar.unmap_chunk(id, true).ok());
   CHECK(ar.stats().idle == 4 * MiB);
-  auto r3 = ar.map_range(4 * MiB, 0, 0);  // stitched from the idle handle
+  auto r3 = ar.map_range(4 * MiB, 0, 0, nullptr);  // stitched from the idle handle
   REQUIRE(r3.ok());
   CHECK(ar.stats().stitched == 1);
   CHECK(ar.stats().calls.create == 1);

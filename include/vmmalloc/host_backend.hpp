@@ -84,6 +84,8 @@ class host_backend {
   access_mode access_of(std::uintptr_t va, int device);
   // The memfd behind a live handle (-1: none), for tests that look at the files themselves.
   int fd_of(mem_handle);
+  // The handle mapped at va (0: none): which physical memory an address is on.
+  mem_handle handle_at(std::uintptr_t va);
   // Live object counts, for leak checks.
   std::size_t live_handles();
   std::size_t live_mappings();

@@ -168,13 +168,19 @@ void arena::give_hole(std::uintptr_t va, std::size_t size) {
   holes_.emplace(va, size);
 }
 
+bool arena::usable_for(mem_handle h, stream_t s) {
+  for (const auto& r : retiring_)
+    if (r.h == h && !r.released && !r.doomed && r.fence && r.stream != s && !drv_.fence_done(r.fence)) return false;
+  return true;
+}
+
 bool arena::aliased(mem_handle h, bool fenced_only) const {
   for (const auto& r : retiring_)
     if (r.h == h && !r.released && !r.doomed && (r.fence || !fenced_only)) return true;
   return false;
 }
 
-result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
+result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner, stream_t stream,
                                         std::size_t* mapped, std::uint16_t heap, std::size_t max_piece) {
   if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
   assert(!pending_);  // a deferred growth is taken before the next mapping
@@ -213,12 +219,16 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   while (total < size) {
     const std::size_t want = size - total;
     auto it = idle_.upper_bound(want);  // first idle handle larger than want
-    if (it != idle_.begin()) {
-      --it;  // largest idle handle <= want
+    auto fit = it;
+    while (fit != idle_.begin() && !usable_for(std::prev(fit)->second, stream)) --fit;
+    if (fit != idle_.begin()) {
+      it = std::prev(fit);  // largest idle handle <= want this stream may map
     } else if (mapped) {
       // Every idle handle is larger than what is left. A retired one holds its memory until its
       // old range goes: map the smallest such whole (the rest of the range is free span memory).
-      while (it != idle_.end() && !(aliased(it->second, true) && hole_for(total + it->first))) ++it;
+      while (it != idle_.end() &&
+             !(aliased(it->second, true) && usable_for(it->second, stream) && hole_for(total + it->first)))
+        ++it;
     } else {
       it = idle_.end();
     }

@@ -111,8 +111,10 @@ class arena {
   // With `mapped` given the range may come out larger: a retired handle (its memory held until its
   // old range is unmapped anyway) bigger than what is left to map is mapped whole rather than
   // released while a new one is created; *mapped says how much was mapped. With max_piece != 0
-  // what is created comes as handles of at most that size (rounded up to G).
-  result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner,
+  // what is created comes as handles of at most that size (rounded up to G). `stream`: where the
+  // memory will be used; an idle handle whose retired range another stream's queued work may
+  // still touch is not mapped for it (see usable_for).
+  result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner, stream_t stream,
                                    std::size_t* mapped = nullptr, std::uint16_t heap = 0,
                                    std::size_t max_piece = 0);
   // ---- growth outside the front end's lock ----
@@ -349,6 +351,10 @@ class arena {
   // Whether h is still mapped by a retired range (fenced_only: one that waits for a stream; an
   // evicted chunk's range, retired with no fence, is unmapped by the growth in flight).
   bool aliased(mem_handle h, bool fenced_only = false) const;
+  // Whether idle handle h may be mapped for work on stream s now: no retired range of h waits for
+  // another stream's fence. A retired handle serves its own stream at once (stream order puts the
+  // old work first); any other stream's work could overlap the old work on the same memory.
+  bool usable_for(mem_handle h, stream_t s);
   struct lru_list {  // per heap: its free chunks, and every byte it has mapped
     std::uint32_t head = no_chunk, tail = no_chunk;
     std::size_t bytes = 0, mapped = 0;

@@ -615,6 +615,14 @@ int host_backend::fd_of(mem_handle h) {
   return r ? r->fd : -1;
 }
 
+mem_handle host_backend::handle_at(std::uintptr_t va) {
+  std::lock_guard g(p_->mu);
+  auto it = p_->mappings.upper_bound(va);
+  if (it == p_->mappings.begin()) return 0;
+  --it;
+  return va < it->first + it->second.size ? it->second.handle : 0;
+}
+
 std::size_t host_backend::live_handles() { std::lock_guard g(p_->mu); return p_->handles.size(); }
 std::size_t host_backend::live_mappings() { std::lock_guard g(p_->mu); return p_->mappings.size(); }
 std::size_t host_backend::live_reservations() { std::lock_guard g(p_->mu); return p_->reservations.size(); }

@@ -103,11 +103,11 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   // Several handles let a split block's free ones serve later requests. An exportable block is
   // never split or reused, and each handle would cost an export: one handle.
   const std::size_t piece = huge_piece();
-  auto r = a.map_range(size, 0, kOwnerHuge, &got, hid, piece);
+  auto r = a.map_range(size, 0, kOwnerHuge, x, &got, hid, piece);
   if (!r.ok() && !a.pending_growth() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};
-    r = a.map_range(size, 0, kOwnerHuge, &got, hid, piece);
+    r = a.map_range(size, 0, kOwnerHuge, x, &got, hid, piece);
   }
   if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
   if (auto* g = a.pending_growth()) {  // runs outside the front end's lock: see grow()

@@ -131,23 +131,23 @@ status heap::impl::grow(std::size_t need, stream_t x) {
   if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
   std::size_t got = 0;  // mapped: want, or more when a retired handle larger than the rest was used whole
   const std::size_t piece = span_piece();
-  auto r = a.map_range(want, at, kOwnerSpan, &got, hid, piece);
+  auto r = a.map_range(want, at, kOwnerSpan, x, &got, hid, piece);
   // A growth deferred to run outside the front end's lock (arena::defer_growth) ends the
   // attempt: the front end runs it, then adopt_growth() and the request again.
   auto retry = [&] { return !r.ok() && !a.pending_growth(); };
   if (retry() && want != ext) {
     want = ext;
-    r = a.map_range(want, at, kOwnerSpan, &got, hid, piece);
+    r = a.map_range(want, at, kOwnerSpan, x, &got, hid, piece);
   }
   if (retry() && at) {  // the hole after the span is gone: start a new span
     want = size;
-    r = a.map_range(want, 0, kOwnerSpan, &got, hid, piece);
+    r = a.map_range(want, 0, kOwnerSpan, x, &got, hid, piece);
   }
   if (retry() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);  // last resort: every idle-able chunk
     if (!e.ok()) return e;
     want = size;
-    r = a.map_range(want, 0, kOwnerSpan, &got, hid, piece);
+    r = a.map_range(want, 0, kOwnerSpan, x, &got, hid, piece);
   }
   if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
   if (auto* g = a.pending_growth()) {

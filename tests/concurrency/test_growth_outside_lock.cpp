@@ -241,6 +241,41 @@ TEST_CASE("other threads allocate while a growth unmaps retired ranges") {
   gives_everything_back(a);
 }
 
+TEST_CASE("a handle retired for one stream's growth is not mapped for another stream meanwhile") {
+  // Stream A frees a 2 MiB chunk while A still runs behind, and asks for 6 MiB: its growth retires
+  // that chunk (its handle serves A's later work, its old VA stays mapped until A's fence) and
+  // evicts a 4 MiB chunk freed on B, whose unmap runs outside the lock (held here by the gate).
+  // Meanwhile stream B asks for 2 MiB. The retired handle sits idle, but A's queued work may still
+  // write its memory through the old VA: mapping it for B would let B's work and A's overlap.
+  options o;
+  o.thread_cache = false;
+  fixture f(o);
+  allocator& a = *f.a;
+  auto& hb = *backend_cast<host_backend>(f.gate->inner());
+  const stream_t sa = reinterpret_cast<stream_t>(std::uintptr_t{0xa}), sb = reinterpret_cast<stream_t>(std::uintptr_t{0xb});
+  void* x1 = a.allocate(2 * MiB, 0, sa);  // chunk 1: 2 MiB
+  void* x2 = a.allocate(4 * MiB, 0, sb);  // chunk 2: 4 MiB, after it
+  const mem_handle h1 = hb.handle_at(reinterpret_cast<std::uintptr_t>(x1));
+  REQUIRE(h1 != 0);
+  REQUIRE(hb.handle_at(reinterpret_cast<std::uintptr_t>(x2)) != h1);
+  hb.hold_stream(sa);  // A's work on x1 is still queued
+  a.deallocate(x1, sa);
+  a.deallocate(x2, sb);
+  f.gate->arm(gate_backend::unmap_call);
+  auto grower = std::async(std::launch::async, [&] { return a.try_allocate(6 * MiB, 0, sa); });
+  REQUIRE(f.gate->wait_entered(10s));
+  REQUIRE(a.stats().retiring >= 2 * MiB);
+  void* y = a.allocate(2 * MiB, 0, sb);
+  CHECK(hb.handle_at(reinterpret_cast<std::uintptr_t>(y)) != h1);
+  f.gate->open();
+  void* big = grower.get();
+  REQUIRE(big != nullptr);
+  a.deallocate(y, sb);
+  a.deallocate(big, sa);
+  hb.complete_stream(sa);
+  gives_everything_back(a);
+}
+
 TEST_CASE("other threads allocate while a growth releases an idle handle it cannot use") {
   // A freed 512 MiB huge block's chunk, the oldest free one, is evicted for a 96 MiB growth: its
   // handle is larger than the growth, so it is released before the growth creates (the footprint

@@ -30,7 +30,8 @@ Per run: peak held (caching, expandable: torch.cuda.max_memory_reserved; cudaMal
 pool's reserved high water from torch.cuda.memory_stats, else cuMemPoolGetAttribute(
 RESERVED_MEM_HIGH) on the default pool; vmmalloc: stats peak_physical), peak allocated
 (torch.cuda.max_memory_allocated, which counts PyTorch's rounded block sizes; cudaMallocAsync: the
-pool's used high water; vmmalloc: peak_allocated, its block sizes with what its thread caches hold), their ratio, the step in
+pool's used high water; vmmalloc: peak_allocated, PyTorch's requests in its 512 B units, counted exactly by
+libvmmalloc_torch on every malloc and free), their ratio, the step in
 which the held peak was reached, peaks per phase (init, train, generate), median training step
 time, generate time (--generate-passes: the generate() calls run that many times in the process;
 the last pass is the time reported, the first shown beside it, every pass's tokens must agree), process wall time, and the device memory in use (cudaMemGetInfo, sampled

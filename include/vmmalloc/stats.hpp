@@ -28,15 +28,17 @@ struct driver_counts {
   }
 };
 
-// Current values are exact. Peaks of requested/allocated are exact with options.thread_cache off.
-// With thread caches, peak_allocated counts what the caches hold as allocated (an upper bound,
-// like PyTorch's rounded block sizes), and peak_requested is sampled on the slow path: it misses
-// what goes through the caches alone (a large block reused by one thread is never seen there).
-// Peaks of mapped/physical (the memory figures) are always exact.
+// Every value is exact. requested / allocated are the caches' and the heap's counters folded when
+// read (exact when no other thread is allocating meanwhile). There is no peak of them: the thread
+// caches serve an allocation without a write any other thread sees, and the peak of a sum over
+// threads cannot be known without one (a shared counter costs 2-6x on the hot path's pair). The
+// peaks of what the allocator holds (mapped, physical) are exact: they change under its lock.
+// libvmmalloc_torch counts requested and allocated bytes of PyTorch's tensors, with their peaks,
+// on each of its calls (what torch.cuda.max_memory_allocated reads).
 struct allocator_stats {
   // bytes: current and peak
   std::size_t requested = 0, allocated = 0, mapped = 0, physical = 0, reserved = 0;
-  std::size_t peak_requested = 0, peak_allocated = 0, peak_mapped = 0, peak_physical = 0;
+  std::size_t peak_mapped = 0, peak_physical = 0;
   std::size_t chunks = 0, idle = 0, free_chunk_bytes = 0, slab_bytes = 0;
   std::uint64_t allocs = 0, frees = 0, live = 0, deferred = 0;
   std::uint64_t grows = 0, chunk_releases = 0, trims = 0, stitched = 0, compression_fallbacks = 0;

@@ -60,7 +60,7 @@ typedef struct vmm_policy {
 
 typedef struct vmm_stats {
   size_t requested, allocated, mapped, physical, reserved;
-  size_t peak_requested, peak_allocated, peak_mapped, peak_physical;
+  size_t peak_mapped, peak_physical; /* exact; requested / allocated have no peak (vmmalloc.hpp) */
   size_t chunks;
   uint64_t allocs, frees, live;
   uint64_t driver_calls, creates, maps, unmaps, set_access, releases;

@@ -229,7 +229,7 @@ vmm_status vmm_get_stats(vmm_allocator* a, vmm_stats* out) {
   if (!a || !out) return invalid("vmm_get_stats: NULL argument");
   auto s = a->a.stats();
   *out = vmm_stats{s.requested, s.allocated, s.mapped, s.physical, s.reserved,
-                   s.peak_requested, s.peak_allocated, s.peak_mapped, s.peak_physical,
+                   s.peak_mapped, s.peak_physical,
                    s.chunks, s.allocs, s.frees, s.live,
                    s.calls.total(), s.calls.create, s.calls.map, s.calls.unmap, s.calls.set_access, s.calls.release,
                    s.idle, s.free_chunk_bytes, s.slab_bytes, s.deferred,

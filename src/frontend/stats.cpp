@@ -41,8 +41,10 @@ allocator_stats allocator::stats() const {
       cached_n += n;
       cached_b += n * b.slot_size;
     }
-    // A block the heap took back is the heap's free memory again (take_back_large).
+    // A block the heap took back is the heap's free memory again (take_back_large), and the
+    // heap's free of it no user free: its thread counts it flushed once it notices (return_large).
     const std::uint64_t held = c->large_cached.get(), taken = c->large_taken;
+    fl += taken != 0;
     const std::uint64_t large = held > taken ? held - taken : 0;
     cached_b += large;
     cached_n += large != 0;
@@ -62,9 +64,6 @@ allocator_stats allocator::stats() const {
   s.requested = std::min<std::size_t>(s.requested, s.allocated);
   s.allocs = h.allocs - rf + fa;
   s.frees = h.frees - fl + ff;
-  // Peaks are exact without thread caches; with them: stats.hpp.
-  s.peak_allocated = std::max(h.peak_allocated, s.allocated);
-  s.peak_requested = std::min(std::max(h.peak_requested, s.requested), s.peak_allocated);
   s.mapped = a.mapped;
   s.physical = a.physical;
   s.reserved = a.reserved;

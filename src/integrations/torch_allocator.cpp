@@ -34,10 +34,30 @@ namespace {
 
 constexpr int kMaxDevices = 256;  // PyTorch's DeviceIndex is int8: 128 would do
 
+// Bytes of PyTorch's live blocks and their peak, counted on every malloc and free of this library:
+// exact whatever vmmalloc's thread caches do (vmm::allocator_stats has no such peaks). One locked
+// add a call, next to PyTorch's own work around it.
+struct live_bytes {
+  std::atomic<std::uint64_t> now{0}, peak{0};
+  void add(std::uint64_t n) {
+    const std::uint64_t v = now.fetch_add(n, std::memory_order_relaxed) + n;
+    std::uint64_t p = peak.load(std::memory_order_relaxed);
+    while (v > p && !peak.compare_exchange_weak(p, v, std::memory_order_relaxed)) {
+    }
+  }
+  void sub(std::uint64_t n) { now.fetch_sub(n, std::memory_order_relaxed); }
+  void reset_peak() { peak.store(now.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+};
+
+// What PyTorch's own allocator counts a request as: whole 512 B units (its kMinBlockSize), so that
+// allocated bytes compare across allocators; vmmalloc's own rounding is in vmm::allocator_stats.
+constexpr std::uint64_t torch_rounded(std::uint64_t n) { return (n + 511) / 512 * 512; }
+
 struct device_slot {
   vmm::allocator* a = nullptr;       // written once under create_mu, then read through `ready`
   std::atomic<vmm::allocator*> ready{nullptr};
   std::atomic<std::uint64_t> malloc_failures{0}, free_failures{0};
+  live_bytes requested, allocated;   // allocated: torch_rounded sizes
   std::string config;                // written once under create_mu before `ready` is published
   std::size_t peers = 0;
   vmm::backend_iface* backend = nullptr;  // a's backend (lives as long as a): device memory info
@@ -310,14 +330,16 @@ int for_device(int d, const char* what, F f) noexcept {
   return for_devices(d < 0 ? kMaxDevices : d, what, std::move(f));
 }
 
+// vmm::allocator_stats fields first; then this library's own counters (requested and allocated
+// bytes of PyTorch's blocks and their peaks: live_bytes), the driver's and the failures.
 #define VMM_TORCH_STATS(X)                                                                     \
-  X(requested) X(allocated) X(mapped) X(physical) X(reserved) X(peak_requested)                \
-  X(peak_allocated) X(peak_mapped) X(peak_physical) X(chunks) X(idle) X(free_chunk_bytes)      \
+  X(mapped) X(physical) X(reserved) X(peak_mapped) X(peak_physical) X(chunks) X(idle) X(free_chunk_bytes) \
   X(slab_bytes) X(allocs) X(frees) X(live) X(deferred) X(grows) X(chunk_releases) X(trims)     \
   X(stitched) X(compression_fallbacks) X(traced_events) X(pools) X(pool_allocated) X(pool_held)
 
 #define VMM_TORCH_NAME(f) #f ","
 constexpr char kStatNames[] = VMM_TORCH_STATS(VMM_TORCH_NAME)
+    "requested,peak_requested,allocated,peak_allocated,"
     "driver_calls,driver_failures,granularity,peers,malloc_failures,free_failures,"
     "creates,maps,unmaps,set_access_calls,releases,record_fences,fence_queries,fence_waits,"
     "driver_ns,fence_ns,chunks_retired";
@@ -342,7 +364,11 @@ void* do_malloc(ssize_t size, int device, void* stream, bool throwing) {
     }
     throw vmm::error({vmm::errc::other, 0, "", "vmm_torch_malloc"}, m);
   }
-  if (void* p = a->try_allocate(static_cast<std::size_t>(size), 0, stream)) return p;
+  if (void* p = a->try_allocate(static_cast<std::size_t>(size), 0, stream)) {
+    slots[device].requested.add(static_cast<std::uint64_t>(size));
+    slots[device].allocated.add(torch_rounded(static_cast<std::uint64_t>(size)));
+    return p;
+  }
 
   slots[device].malloc_failures.fetch_add(1, std::memory_order_relaxed);
   vmm::status st = vmm::last_error().st;
@@ -389,7 +415,7 @@ void* vmm_torch_try_malloc(ssize_t size, int device, void* stream) {
   }
 }
 
-void vmm_torch_free(void* ptr, ssize_t /*size*/, int device, void* stream) try {
+void vmm_torch_free(void* ptr, ssize_t size, int device, void* stream) try {
   if (!ptr) return;
   vmm::allocator* a = existing(device);
   if (!a) {
@@ -402,6 +428,10 @@ void vmm_torch_free(void* ptr, ssize_t /*size*/, int device, void* stream) try {
   // The stream the block was allocated on (PyTorch and CuPy pass it back): reuse on that stream
   // is immediate, other streams wait for a fence recorded after this point.
   vmm::status st = a->try_deallocate(ptr, stream);
+  if (st.ok() && size > 0) {  // size: what PyTorch asked for when it allocated
+    slots[device].requested.sub(static_cast<std::uint64_t>(size));
+    slots[device].allocated.sub(torch_rounded(static_cast<std::uint64_t>(size)));
+  }
   if (!st.ok()) {
     slots[device].free_failures.fetch_add(1, std::memory_order_relaxed);
     set_error("vmmalloc_torch: free on device " + std::to_string(device) + ": " + vmm::last_error().message);
@@ -465,6 +495,11 @@ int vmm_torch_stats(int device, uint64_t* out, int n) try {
 #define VMM_TORCH_VALUE(f) v.push_back(static_cast<std::uint64_t>(s.f));
     VMM_TORCH_STATS(VMM_TORCH_VALUE)
 #undef VMM_TORCH_VALUE
+    const device_slot& d = slots[device];
+    for (const live_bytes* c : {&d.requested, &d.allocated}) {
+      v.push_back(c->now.load(std::memory_order_relaxed));
+      v.push_back(c->peak.load(std::memory_order_relaxed));
+    }
     v.push_back(s.calls.total());
     v.push_back(s.calls.failures);
     v.push_back(a->granularity());
@@ -538,7 +573,11 @@ int vmm_torch_trim(int device) {
 }
 
 int vmm_torch_reset_peaks(int device) {
-  return for_devices(device, "reset_peaks", [](vmm::allocator& a) { a.reset_peaks(); });
+  return for_devices(device, "reset_peaks", [](vmm::allocator& a) {
+    a.reset_peaks();
+    for (device_slot& d : slots)
+      if (d.a == &a) d.requested.reset_peak(), d.allocated.reset_peak();
+  });
 }
 
 int vmm_torch_check(int device) try {

@@ -53,7 +53,8 @@ void* vmm_torch_malloc(ssize_t size, int device, void* stream);
 /* Same, never throws: NULL on failure, vmm_torch_last_error() says why (ctypes, CuPy). */
 void* vmm_torch_try_malloc(ssize_t size, int device, void* stream);
 /* PyTorch's free. NULL is a no-op. Never throws: a refused free (foreign pointer) is counted in
- * the stats ("free_failures") and recorded in vmm_torch_last_error(). */
+ * the stats ("free_failures") and recorded in vmm_torch_last_error(). size: the bytes asked for
+ * at malloc (PyTorch and CuPy pass them): the stats' requested and allocated bytes subtract it. */
 void vmm_torch_free(void* ptr, ssize_t size, int device, void* stream);
 
 /* Creates the allocator of `device` now (else the first allocation does). 0, or -1 + last error. */

@@ -422,8 +422,8 @@ TEST_CASE("gpu stress: threads allocate, fill, verify and free on random streams
     auto s = a.stats();
     MESSAGE("stress: " << allocs.load() << " allocations (" << (bytes.load() >> 20) << " MiB), "
                        << frees.load() << " frees (" << recorded.load() << " with record_stream); "
-                       << "peak mapped " << (s.peak_mapped >> 20) << " MiB, peak requested "
-                       << (s.peak_requested >> 20) << " MiB, grows " << s.grows << ", driver calls "
+                       << "peak mapped " << (s.peak_mapped >> 20) << " MiB, peak physical "
+                       << (s.peak_physical >> 20) << " MiB, grows " << s.grows << ", driver calls "
                        << s.calls.total());
     CHECK_MESSAGE(failures.load() == 0, failures.load() << " failures; first: " << first_error);
     CHECK(mismatched_bytes.load() == 0);

@@ -5,6 +5,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -22,7 +23,7 @@ namespace {
 // Stats by name (the order is vmm_torch_stat_names()).
 std::uint64_t stat(int device, const char* name) {
   std::string names = vmm_torch_stat_names();
-  std::vector<std::uint64_t> v(64);
+  std::vector<std::uint64_t> v(128);
   int n = vmm_torch_stats(device, v.data(), static_cast<int>(v.size()));
   REQUIRE(n > 0);
   int i = 0;
@@ -161,6 +162,59 @@ TEST_CASE("threads racing to create one device's allocator get the same one") {
   CHECK(stat(5, "allocs") == kThreads * kEach);  // one allocator counted every thread
   CHECK(stat(5, "live") == 0);
   CHECK(vmm_torch_check(5) == 0);
+}
+
+// PyTorch allocates on its main thread and frees on the autograd thread; vmmalloc's thread caches
+// serve both without a lock. The requested and allocated bytes PyTorch reads, and their peaks,
+// must still be the exact figures of the program's blocks.
+TEST_CASE("stats: requested and allocated peaks are exact while blocks move through thread caches") {
+  const int d = 5;  // the racing case above made it: its peaks start from what lives there
+  REQUIRE(vmm_torch_init(d) == 0);
+  REQUIRE(vmm_torch_reset_peaks(d) == 0);
+  const std::uint64_t r0 = stat(d, "requested"), a0 = stat(d, "allocated");
+  CHECK(stat(d, "peak_requested") == r0);
+  auto rounded = [](std::uint64_t n) { return (n + 511) / 512 * 512; };
+  // One thread reuses one small block and one large block through its cache, many times.
+  for (int i = 0; i < 5000; ++i) {
+    void* p = vmm_torch_malloc(3000, d, nullptr);
+    void* q = vmm_torch_malloc(1 << 20, d, nullptr);
+    vmm_torch_free(q, 1 << 20, d, nullptr);
+    vmm_torch_free(p, 3000, d, nullptr);
+  }
+  CHECK(stat(d, "requested") == r0);
+  CHECK(stat(d, "peak_requested") == r0 + 3000 + (1 << 20));
+  CHECK(stat(d, "peak_allocated") == a0 + rounded(3000) + (1 << 20));
+  // Rounds of 1-8 MiB blocks allocated on one thread, all live at once, freed on another.
+  std::uint64_t most = 0, most_rounded = 0;
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::pair<void*, std::uint64_t>> blocks;
+    std::uint64_t sum = 0, sum_rounded = 0;
+    std::thread([&] {
+      for (int i = 0; i < 20 + 10 * round; ++i) {
+        const std::uint64_t n = (std::uint64_t{1} << 20) * (1 + (i * 7 + round) % 8) + 100 * i;
+        void* p = vmm_torch_malloc(static_cast<std::int64_t>(n), d, nullptr);
+        blocks.emplace_back(p, n);
+        sum += n;
+        sum_rounded += rounded(n);
+      }
+    }).join();
+    std::thread([&] {
+      for (auto [p, n] : blocks) vmm_torch_free(p, static_cast<std::int64_t>(n), d, nullptr);
+    }).join();
+    most = std::max(most, sum);
+    most_rounded = std::max(most_rounded, sum_rounded);
+  }
+  CHECK(stat(d, "requested") == r0);
+  CHECK(stat(d, "allocated") == a0);
+  CHECK(stat(d, "peak_requested") == r0 + most);
+  CHECK(stat(d, "peak_allocated") == a0 + most_rounded);
+  // reset_peaks starts them over from what is live now.
+  void* keep = vmm_torch_malloc(5000, d, nullptr);
+  CHECK(vmm_torch_reset_peaks(d) == 0);
+  CHECK(stat(d, "peak_requested") == r0 + 5000);
+  CHECK(stat(d, "peak_allocated") == a0 + rounded(5000));
+  vmm_torch_free(keep, 5000, d, nullptr);
+  CHECK(vmm_torch_check(d) == 0);
 }
 
 namespace {

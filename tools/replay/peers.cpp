@@ -157,8 +157,6 @@ class vmmalloc_peer final : public peer {
     r.driver_calls = s.calls.total();
     r.mapped_source = "vmmalloc stats().peak_physical (mapped + idle handles)";
     r.extra = {{"peak_mapped_va_bytes", double(s.peak_mapped)},
-               {"peak_allocated_bytes", double(s.peak_allocated)},
-               {"peak_requested_bytes", double(s.peak_requested)},
                {"calls_create", double(s.calls.create)},
                {"calls_map", double(s.calls.map)},
                {"calls_unmap", double(s.calls.unmap)},

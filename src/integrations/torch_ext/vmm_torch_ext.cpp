@@ -175,9 +175,9 @@ accumulated accumulated_now(const stat_values& v) {
 
 // The "all" entries (index 0, PyTorch's StatType::AGGREGATE); vmmalloc has no small and large
 // pools in PyTorch's sense, so those entries stay 0. Counts carry no peak of their own (the
-// current value stands in). allocated_bytes is the rounded size of live blocks, as PyTorch's;
-// its peak is exact with thread caches off and an upper bound with them (blocks a cache holds
-// count as allocated). reserved_bytes is the device memory vmmalloc holds (mapped and idle).
+// current value stands in). requested_bytes and allocated_bytes (requests in 512 B units, as
+// PyTorch's own allocator counts them) and their peaks are libvmmalloc_torch's counters of every
+// malloc and free: exact. reserved_bytes is the device memory vmmalloc holds (mapped and idle).
 template <class Stats>
 Stats device_stats_of(int device) {
   Stats s{};

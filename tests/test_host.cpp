@@ -906,33 +906,52 @@ TEST_CASE("policy: the default reservation is twice the device memory") {
 
 // ---- arena: holes, chunk table and rollback, seen directly ----
 
-TEST_CASE("arena: a failed set_access rolls back create and map") {
+TEST_CASE("arena: plan, run, commit: the job owns its range until commit; a chunk given back is stitched") {
   vmm::options o;
   o.reservation_size = 64 * MiB;
   o.peers = {{1, vmm::access_mode::read_write}};
   vmm::host_backend_options ho;
   ho.device_count = 2;
-  vmm::arena ar(vmm::make_backend<vmm::host_backend>(ho), o);
+  auto backend = vmm::make_backend<vmm::host_backend>(ho);
+  vmm::host_backend* hb = vmm::backend_cast<vmm::host_backend>(*backend);
+  vmm::arena ar(std::move(backend), o);
   REQUIRE(ar.open().ok());
+  auto settle = [&] {
+    vmm::arena::job j = ar.take_work();
+    ar.run(j);
+    return ar.commit(j);
+  };
   auto r = ar.map_range(4 * MiB, 0, 0, nullptr);
   REQUIRE(r.ok());
+  CHECK(ar.has_work());
+  CHECK(ar.check() == "");                // planned: no hole, no chunk, no driver call yet
+  CHECK(ar.stats().mapped == 0);
+  CHECK(ar.stats().calls.create == 0);
+  CHECK(hb->live_mappings() == 0);
+  CHECK(settle().ok());
   CHECK(ar.check() == "");
   auto s = ar.stats();
   CHECK(s.mapped == 4 * MiB);
   CHECK(s.free_chunk_bytes == 4 * MiB);
-  // Out of VA: clean failure, nothing changed.
+  CHECK(hb->access_of(r.value, 1) == vmm::access_mode::read_write);  // one set_access, owner and peer
+  // Out of VA: a clean failure, nothing planned.
   auto r2 = ar.map_range(64 * MiB, 0, 0, nullptr);
   CHECK(r2.st.kind == vmm::errc::out_of_memory);
+  CHECK_FALSE(ar.has_work());
   CHECK(ar.check() == "");
-  CHECK(ar.stats().mapped == 4 * MiB);
   auto id = ar.chunk_at(r.value);
   REQUIRE(id != vmm::arena::no_chunk);
-  CHECK(ar.unmap_chunk(id, true).ok());
+  ar.give_back_chunk(id, true);  // out of the table at once; its unmap is the job's
+  CHECK(ar.stats().mapped == 0);
   CHECK(ar.stats().idle == 4 * MiB);
-  auto r3 = ar.map_range(4 * MiB, 0, 0, nullptr);  // stitched from the idle handle
+  CHECK(hb->live_mappings() == 1);
+  auto r3 = ar.map_range(4 * MiB, 0, 0, nullptr);  // stitched from the idle handle, in the same job
   REQUIRE(r3.ok());
+  CHECK(settle().ok());
+  CHECK(hb->live_mappings() == 1);
   CHECK(ar.stats().stitched == 1);
   CHECK(ar.stats().calls.create == 1);
+  CHECK(ar.stats().calls.unmap == 1);
   CHECK(ar.check() == "");
 }
 

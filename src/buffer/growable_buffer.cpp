@@ -8,8 +8,9 @@
 #include <string>
 #include <utility>
 
-#include "frontend/allocator_impl.hpp"
+#include "frontend/allocator_access.hpp"
 #include "vm/granularity.hpp"
+#include "vm/handle_pool.hpp"
 #include "vm/mapping.hpp"
 #include "vm/reservation.hpp"
 
@@ -36,20 +37,17 @@ struct growable_buffer::impl {
     mem_handle handle = 0;
   };
   explicit impl(std::unique_ptr<backend_iface> bb) : b(std::move(bb)), bp(b.get()), d(bp) {}
-  impl(backend_iface& borrowed, allocator_impl& a) : bp(&borrowed), d(bp), pool(&a) {}
+  explicit impl(vm::handle_pool& p) : bp(&p.backend()), d(bp), pool(&p) {}
   std::unique_ptr<backend_iface> b;  // null when shared: the allocator's backend is used
   backend_iface* bp;
   vm::driver d;
-  allocator_impl* pool = nullptr;    // shared(): the allocator whose idle handles this buffer shares
+  vm::handle_pool* pool = nullptr;   // shared(): the allocator whose idle handles this buffer shares
 
   // A shared buffer's unmapped handle goes to the allocator's idle pool; when the pool would pass
   // the allocator's memory_limit it is released instead (a refused release is parked: *st says
   // so). true: the pool took it.
   bool give_to_pool(mem_handle h, std::size_t size, status* st = nullptr) {
-    {
-      std::lock_guard g(pool->mu);
-      if (pool->ar->take_back(h, size)) return true;
-    }
+    if (pool->take_back(h, size)) return true;
     status s = vm::driver::twice([&] { return d.release(h); });
     if (!s.ok()) strays.add_handle(h, size);
     if (st) *st = s;
@@ -115,8 +113,7 @@ void growable_buffer::open(std::size_t min_granularity) {
 }
 
 growable_buffer growable_buffer::shared(allocator& a, std::size_t capacity_limit, growable_options o) {
-  allocator_impl& ai = allocator_access::of(a);
-  const options& ao = ai.ar->opts();
+  const options& ao = a.opts();
   const char* ctx = "vmm::growable_buffer::shared";
   const char* why = nullptr;
   if (ao.location != location_kind::device) why = "the allocator's memory is not device memory";
@@ -124,8 +121,7 @@ growable_buffer growable_buffer::shared(allocator& a, std::size_t capacity_limit
   else if (ao.ipc != ipc_kind::none) why = "the allocator's memory is exportable (ipc)";
   if (why) throw error(fail(errc::invalid_value, "growable_buffer", why), std::string(ctx) + ": " + why);
   o.device = ao.device;
-  return growable_buffer(std::make_unique<impl>(ai.ar->drv().backend(), ai), capacity_limit, o,
-                         ai.ar->granularity());
+  return growable_buffer(std::make_unique<impl>(allocator_access::pool(a)), capacity_limit, o, a.granularity());
 }
 
 growable_buffer growable_buffer::host(std::size_t capacity_limit, const host_backend_options& h,
@@ -258,16 +254,35 @@ void growable_buffer::grow_to(std::size_t n, const char* what) {
     return std::string(what) + ": mapping " + mib(bytes) + " at offset " + mib(mapped_);
   };
 
-  // All or nothing: a failure undoes every map (vm::mapping_txn): created handles are released,
-  // idle ones handed back to the idle list. A mapping has no access until set_access grants it
-  // (cuMemMap's rule): one call for all devices over everything mapped here.
-  vm::mapping_txn txn(m.d, m.strays);
-  std::vector<impl::chunk> added;
+  // Pieces, in order: handles a shrink kept (in the order they left the tail: a map each, no
+  // create; they always fit, as mapped + kept bytes never exceed the reservation), the
+  // allocator's idle handles when shared (largest first, at most 8), then one created handle for
+  // the rest: one driver round, whatever the size.
+  std::vector<vm::piece> pieces;
+  std::vector<mem_handle> from_pool;
   std::size_t got = 0;
+  while (got < need && !m.idle.empty()) {
+    const impl::chunk c = m.idle.back();
+    m.idle.pop_back();
+    idle_ -= c.size;
+    pieces.push_back({c.size, c.handle});
+    got += c.size;
+  }
+  for (int k = 0; m.pool && k < 8 && got < need; ++k) {
+    mem_handle h = 0;
+    std::size_t n = 0;
+    if (!m.pool->lend(need - got, h, n)) break;
+    pieces.push_back({n, h});
+    from_pool.push_back(h);
+    got += n;
+  }
+  // A failure undoes every map (vm::mapping_txn): the created handle is released, the kept ones
+  // go back to the idle list, the lent ones to the allocator.
+  vm::mapping_txn txn(m.d, m.strays);
   auto undo = [&](const status& st, std::size_t bytes) {
     txn.rollback();
     for (const auto& l : txn.returned()) {
-      if (m.pool) m.give_to_pool(l.h, l.size);  // lent by the allocator: back to its pool
+      if (std::find(from_pool.begin(), from_pool.end(), l.h) != from_pool.end()) m.give_to_pool(l.h, l.size);
       else m.idle.push_back({0, l.size, l.h});
     }
     txn.returned().clear();
@@ -275,34 +290,7 @@ void growable_buffer::grow_to(std::size_t n, const char* what) {
     for (const impl::chunk& c : m.idle) idle_ += c.size;
     throw_status(st, ctx(bytes));
   };
-
-  // Handles a shrink kept, in the order they left the tail: a map each, no create. They always
-  // fit: mapped + kept bytes never exceed the reservation (a shrink moves bytes from one to the
-  // other; a create happens only once nothing is kept).
-  while (got < need && !m.idle.empty()) {
-    const impl::chunk c = m.idle.back();
-    m.idle.pop_back();
-    idle_ -= c.size;
-    if (status st = txn.map(va + got, c.size, c.handle, false); !st.ok()) undo(st, c.size);
-    added.push_back({va + got, c.size, c.handle});
-    got += c.size;
-  }
-
-  // Shared: the allocator's idle handles, largest first; at most 8, each one map call.
-  for (int k = 0; m.pool && k < 8 && got < need; ++k) {
-    mem_handle h = 0;
-    std::size_t n = 0;
-    {
-      std::lock_guard g(m.pool->mu);
-      if (!m.pool->ar->lend_idle(need - got, h, n)) break;
-    }
-    if (status st = txn.map(va + got, n, h, false); !st.ok()) undo(st, n);
-    added.push_back({va + got, n, h});
-    got += n;
-  }
-
   if (got < need) {
-    // One chunk for the rest: one driver round, whatever the size.
     const std::size_t rest = need - got;
     std::size_t want = std::max(rest, opt_.min_chunk);
     if (opt_.geometric) want = std::max(want, round_up((mapped_ + got) / 2, gran_));
@@ -313,14 +301,20 @@ void growable_buffer::grow_to(std::size_t n, const char* what) {
       want = rest;
       h = m.d.create(want, m.props);
     }
-    if (!h.ok()) undo(h.st, want);
-    if (status st = txn.map(va + got, want, h.value, true); !st.ok()) undo(st, want);
-    added.push_back({va + got, want, h.value});
+    if (!h.ok()) {  // nothing mapped yet: every piece is a lent one to hand back
+      for (const vm::piece& p : pieces) txn.returned().push_back({p.h, p.size});
+      undo(h.st, want);
+    }
+    pieces.push_back({want, h.value, true});
     got += want;
   }
-  if (status st = txn.set_access(va, got, m.access); !st.ok()) undo(st, got);
+  if (status st = txn.place(va, pieces, m.access); !st.ok()) undo(st, got);
   txn.commit();
-  m.chunks.insert(m.chunks.end(), added.begin(), added.end());
+  std::uintptr_t at = va;
+  for (const vm::piece& p : pieces) {
+    m.chunks.push_back({at, p.size, p.h});
+    at += p.size;
+  }
   mapped_ += got;
   chunks_ = m.chunks.size();
 }

@@ -4,13 +4,13 @@
 // Locks, in the order they may be taken (never the reverse):
 //   1. cache_registry_mutex() (global) thread-cache registration, the counters of a thread's exit,
 //                    stats(), allocator destruction
-//   2. impl::mu      (per allocator) heap and arena. A growth's create / map / set_access, the
-//                    unmaps and releases of frees, cache flushes and trim, and the waits of trim
-//                    and the out-of-memory reclaim for a stream run after it is dropped
-//                    (allocate_growing, releases_outside, wait_streams), on VA ranges and handles
-//                    set aside under it; fence records and queries, graph pools and exportable
-//                    memory still call the driver under it
-//   3. backend's own registry mutex (host backend), taken inside backend calls
+//   2. impl::mu      (per allocator) heap and arena. The driver work a call into the heap
+//                    plans (a growth's create / map / set_access, the unmaps and releases of
+//                    frees, cache flushes and trim) runs after it is dropped (settle), and so do
+//                    the waits of trim and the out-of-memory reclaim for a stream (wait_streams);
+//                    fence records and queries, grant / revoke and exports call the driver under it
+//   3. vm::driver's claims (one call at a time per handle and VA range), taken inside each call
+//   4. backend's own registry mutex (host backend), taken inside backend calls
 // The hot path (a small size whose thread-cache bin is non-empty, or a free into a bin with room)
 // takes none of them: it pops or pushes a per-thread stack and flips the slot's state byte.
 #include <algorithm>
@@ -48,7 +48,6 @@ allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(st
                     o.release_threshold == std::numeric_limits<std::size_t>::max();
   p_->tc_cap = std::max<std::size_t>(o.thread_cache_slots, 2);
   p_->default_alignment = p_->ar->opts().alignment;
-  if (p_->large_cache) p_->hp->set_before_growth([m = p_.get()] { return m->take_back_large(); });
   p_->unit_class.push_back(0);
   for (std::size_t n = 256; p_->hp->small_class(n) >= 0; n += 256) {
     p_->unit_class.push_back(static_cast<std::uint8_t>(p_->hp->small_class(n)));
@@ -89,6 +88,8 @@ allocator& allocator::operator=(allocator&& o) noexcept {
   return *this;
 }
 
+vm::handle_pool& allocator_access::pool(allocator& a) { return *a.p_; }
+
 allocator allocator::host(const options& o, const host_backend_options& h) {
   return allocator(make_backend<host_backend>(h), o);
 }
@@ -110,13 +111,28 @@ std::string allocator_impl::out_of_memory_detail() const {
   return d + ")";
 }
 
-status allocator::impl::run_parked_growth(std::unique_lock<std::mutex>& lk) {
-  arena::growth g = ar->take_growth();
-  lk.unlock();
-  ar->run_growth(g);
-  lk.lock();
-  status st = ar->finish_growth(g);
-  if (st.ok() && g.size) hp->adopt_growth(g);
+status allocator::impl::settle(std::unique_lock<std::mutex>& lk, bool drop) {
+  if (!ar->has_work()) return {};
+  arena::job j = ar->take_work();
+  if (drop) lk.unlock();
+  ar->run(j);
+  if (drop) lk.lock();
+  const status st = ar->commit(j);
+  if (j.maps()) {
+    heap* h = j.heap < heaps.size() ? heaps[j.heap] : nullptr;
+    if (st.ok() && h) {
+      h->adopt(j);
+    } else if (st.ok()) {
+      // The graph pool that asked was dropped meanwhile: its new chunks go back.
+      for (std::uintptr_t va = j.va; va < j.va + j.size;) {
+        const std::uint32_t id = ar->chunk_at(va);
+        va += ar->get(id).size;
+        ar->give_back_chunk(id, true);
+      }
+    } else if (h) {
+      h->growth_refused();
+    }
+  }
   return st;
 }
 
@@ -218,49 +234,63 @@ void push_slot(tcache& c, tcache::bin& b, std::uintptr_t u, const heap::slot_ref
   c.fast_frees.add(1);
 }
 
-// Under lk: attempt(defer) is one try of a heap's allocate. A growth of the own heap it parked
-// (arena::defer_growth) runs without lk: its driver calls (create, map, set_access: tens of
-// microseconds to milliseconds) hold up no other thread's allocation from mapped memory. Then it
-// is installed and adopted under lk, and the request tried again. A growth the driver refused
-// is the request's failure, as under the lock; out of memory instead tries again under lk, with
-// the heap's fallbacks (smaller growth, eviction, reclaim) as before. A round may be unmaps
-// alone (retired ranges, chunks evicted for stitching: their VA back before the growth is
-// placed). After kRounds rounds (other threads took the memory first) the try runs under lk.
-// A try that found no memory but some the GPU is still using (the out-of-memory reclaim) waits for
-// those streams without lk, then tries again; after kWaitRounds it waits under lk.
+// Under lk: attempt(mode) is one try of a heap's allocate (heap::outcome). The driver work it
+// planned runs without lk (settle: one thread's create, map or set_access, tens of microseconds
+// to milliseconds, holds up no other thread's allocation from mapped memory), then the request is
+// asked again. A request that finds no fit first takes the thread caches' large blocks back
+// (grow_mode::never, then normal); a growth the driver refused for lack of memory is asked once
+// more as a last resort (everything free goes back first, then exactly the request); a request
+// that found no memory but some a stream is still using waits for those streams without lk, then
+// tries again (kWaitRounds). A growth is adopted and the request asked again under lk, so no
+// other thread takes the new memory first; after kRounds growths (a request the new memory did
+// not serve) the jobs run under lk anyway.
 constexpr int kRounds = 3, kWaitRounds = 2;
-// Ends a request's rounds however they end: defer_growth(false) drops the eviction mark of an
-// unmap round (arena::evicted_for_retry), which is only for the retry of the same request.
-struct rounds_end {
-  arena& a;
-  ~rounds_end() { a.defer_growth(false); }
-};
-
 template <class F>
 result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& attempt) {
-  rounds_end end{*m.ar};
-  int deferred = 0, waited = 0;
-  for (bool defer = m.ar->opts().grow_outside_lock;; defer = defer && deferred < kRounds) {
-    m.hp->defer_waits(defer && waited < kWaitRounds);
-    result<std::uintptr_t> r = attempt(defer);
+  grow_mode mode = m.large_cache ? grow_mode::never : grow_mode::normal;
+  int grown = 0, waited = 0;
+  for (;;) {
+    m.hp->defer_waits(waited < kWaitRounds);
+    const heap::outcome o = attempt(mode);
     m.hp->defer_waits(false);
     std::vector<stream_t> waits = m.hp->take_waits();
-    if (!m.ar->pending_growth()) {
-      if (r.ok() || r.st.kind != errc::out_of_memory || waits.empty()) return r;
+    const status ran = m.settle(lk, m.outside() && grown < kRounds);
+    if (o.addr) return {o.addr, {}};  // a refill may have planned a new slab after its slots
+    if (o.grows) {
+      // Each growth maps memory for this request and it is asked again at once: many rounds are
+      // a heap that plans what it cannot use. Said, rather than growing without end.
+      if (++grown > 16) return {0, {errc::other, 0, "growth did not serve the request", "allocate"}};
+      if (ran.ok()) {  // mapped and adopted under lk: asked again before anyone else can take it
+        if (mode == grow_mode::last_resort) mode = grow_mode::normal;  // its reclaim is done
+        continue;
+      }
+      if (ran.kind != errc::out_of_memory) return {0, ran};
+      if (mode == grow_mode::last_resort) {
+        if (waits.empty() || waited >= kWaitRounds) return {0, ran};
+        ++waited;
+        m.wait_streams(lk, std::move(waits));
+      }
+      mode = grow_mode::last_resort;
+      continue;
+    }
+    if (!o.st.ok()) {
+      if (o.st.kind != errc::out_of_memory || waits.empty() || waited >= kWaitRounds) return {0, o.st};
       ++waited;
       m.wait_streams(lk, std::move(waits));
       continue;
     }
-    ++deferred;
-    const status st = m.run_parked_growth(lk);
-    // A try that parked a growth failed, unless it is a refill that got some slots before it
-    // needed a new slab: those stand, whatever the growth did.
-    if (r.ok()) return r;
-    if (!st.ok()) {
-      if (st.kind != errc::out_of_memory) return {0, st};
-      defer = false;
-    }
+    (void)m.take_back_large();  // no fit without growing (never): the caches' blocks, then grow
+    mode = grow_mode::normal;
   }
+}
+
+// Runs f (a free, a cache flush: anything that may give chunks back) under lk, then the driver
+// work it planned (settle). A refusal there leaves the range retired or the handle parked (and
+// the error for trim to report): f itself succeeded.
+template <class F>
+void and_settle(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& f) {
+  f();
+  (void)m.settle(lk, m.outside());
 }
 // The general paths: everything but the thread cache's pop and push (refills, flushes, large
 // blocks, the locked heap). Out of line, so the fast paths save and restore few registers.
@@ -278,23 +308,16 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
     std::unique_lock g(m.mu);
     // The cached block goes back first: the heap may need its memory for this request. Not for a
     // request the heap refuses before looking (past the reservation): bad input changes nothing.
-    if (bytes <= m.ar->reservation_size() && c.large.cached)
-      (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.return_large(c); });
+    if (bytes <= m.ar->reservation_size() && c.large.cached) and_settle(m, g, [&] { m.return_large(c); });
     heap::block_ref ref;
-    auto attempt = [&](bool defer) {
-      result<std::uintptr_t> x;
-      if (m.captures.empty()) {  // a pool begun meanwhile: its heap decides, not the cache
-        m.ar->defer_growth(defer);
-        x = m.hp->allocate_cacheable(bytes, alignment, s, ref);
-        m.ar->defer_growth(false);
-      } else {
-        x = m.heap_for(s).allocate(bytes, alignment, s);
-      }
-      return x;
+    auto attempt = [&](grow_mode mode) {
+      if (m.captures.empty())  // a pool begun meanwhile: its heap decides, not the cache
+        return m.hp->allocate_cacheable(bytes, alignment, s, mode, ref);
+      return m.heap_for(s).allocate(bytes, alignment, s, mode);
     };
     r = allocate_growing(m, g, attempt);
     if (!r.ok() && r.st.kind == errc::out_of_memory && bytes <= m.ar->reservation_size()) {
-      (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(c, true); });
+      and_settle(m, g, [&] { m.flush_cache(c, true); });
       r = allocate_growing(m, g, attempt);
       if (!r.ok()) why = m.out_of_memory_detail();
     }
@@ -324,18 +347,17 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
       auto& b = c.bins[cls];
       if (b.n.get() == 0) {  // refill half a bin under the lock
         std::vector<std::uintptr_t> ps(m.tc_cap / 2);
-        std::size_t got;
+        std::size_t got = 0;
         {
           // A new slab's growth runs outside the lock too (see allocate_growing); slots already
           // handed out end the rounds. If it fails, the locked path below tries again and reports
           // what is wrong.
           std::unique_lock g(m.mu);
-          got = allocate_growing(m, g, [&](bool defer) -> result<std::uintptr_t> {
-            m.ar->defer_growth(defer);
-            const std::size_t n = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag);
-            m.ar->defer_growth(false);
-            return {n, n ? status{} : status{errc::out_of_memory, 0, "no slot", "refill"}};
-          }).value;
+          (void)allocate_growing(m, g, [&](grow_mode mode) {
+            heap::outcome o = m.hp->refill(cls, s, ps.data(), ps.size(), c.tag, mode, got);
+            if (got) o.addr = ps[0];  // slots handed out: done, whatever else the refill planned
+            return o;
+          });
         }
         for (std::size_t k = 0; k < got; ++k) {
           b.e[k].p = ps[k];
@@ -358,12 +380,8 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
   std::string why;
   {
     std::unique_lock g(m.mu);
-    auto attempt = [&](bool defer) {
-      heap& h = m.heap_for(s);
-      m.ar->defer_growth(defer && &h == m.hp.get());
-      auto x = h.allocate(bytes, alignment, s);  // reclaims and retries once inside
-      m.ar->defer_growth(false);
-      return x;
+    auto attempt = [&](grow_mode mode) {
+      return m.heap_for(s).allocate(bytes, alignment, s, mode);  // reclaims and retries once inside
     };
     r = allocate_growing(m, g, attempt);
     if (!r.ok() && r.st.kind == errc::out_of_memory) {
@@ -371,7 +389,7 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
       // that gives back is unmapped and released outside the lock), try again.
       if (m.tc_enabled && tl_cache_owner == m.id && tl_cache->holds_any() &&
           bytes <= m.ar->reservation_size()) {
-        (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(*tl_cache, true); });
+        and_settle(m, g, [&] { m.flush_cache(*tl_cache, true); });
         r = allocate_growing(m, g, attempt);
       }
       if (!r.ok()) why = m.out_of_memory_detail();
@@ -404,7 +422,7 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
     if (claim_slot(b, r, s)) {
       if (b.n.get() == m.tc_cap) {  // half the bin back (chunks it frees go back after the lock)
         std::unique_lock g(m.mu);
-        (void)m.releases_outside(g, m.releases_leave_lock(), [&] { m.flush_cache(c, false); });
+        and_settle(m, g, [&] { m.flush_cache(c, false); });
       }
       const std::uint32_t req = r.req->load(std::memory_order_relaxed);
       if (m.trace) [[unlikely]] m.trace->event('f', u, req, s);
@@ -419,9 +437,7 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
     const std::size_t req = m.trace ? h.requested_size(u) : 0;
     // Chunks the free gives back (release_threshold, idle decay) are unmapped and released after
     // the lock is dropped, as a growth's driver calls are (see allocate_growing).
-    const bool outside = &h == m.hp.get() && m.releases_leave_lock();
-    // A refused unmap stays retired, a refused release parked: the free itself succeeded.
-    (void)m.releases_outside(g, outside, [&] {
+    and_settle(m, g, [&] {
       st = h.deallocate(u, s);
       if (st.ok() && &h != m.hp.get()) m.after_free(h);
       // Under mu: another thread cannot reuse the address and trace its allocation first.
@@ -583,27 +599,18 @@ void allocator::trim(std::size_t keep) {
     // handles trim gives back are unmapped and released after the lock is dropped, as a free's
     // are; trim returns once they are. Chunks a stream still uses are waited for without the
     // lock too: a first round skips them, the second gives them back once their streams caught up.
-    const bool outside = m.releases_leave_lock();
-    status ran;
+    (void)m.ar->take_parked_error();  // what earlier calls' work met was theirs to report
     for (int round = 0; round < 2; ++round) {
-      ran = m.releases_outside(g, outside, [&] {
-        if (mine && round == 0) m.flush_cache(*mine, true);
-        m.hp->defer_waits(outside && round == 0);
-        st = m.hp->trim(keep);
-        m.hp->defer_waits(false);
-      }, true);
+      if (mine && round == 0) m.flush_cache(*mine, true);
+      m.hp->defer_waits(m.outside() && round == 0);
+      st = m.hp->trim(keep);
+      m.hp->defer_waits(false);
+      (void)m.settle(g, m.outside());
+      if (status parked = m.ar->take_parked_error(); !parked.ok() && st.ok()) st = parked;  // a refused unmap or release
       std::vector<stream_t> waits = m.hp->take_waits();
-      if (waits.empty() || !st.ok() || !ran.ok()) break;
-      // The first round's refusals are its own to report: the second round starts afresh.
-      if (status parked = m.ar->take_parked_error(); !parked.ok()) {
-        st = parked;
-        break;
-      }
+      if (waits.empty() || !st.ok()) break;
       m.wait_streams(g, std::move(waits));
     }
-    // heap::trim took what was parked before; what is parked now is its growth's refused unmap
-    // or release.
-    if (st.ok()) st = !ran.ok() ? ran : m.ar->take_parked_error();
   }
   if (!st.ok()) throw_status(st, "vmm::allocator::trim");
 }

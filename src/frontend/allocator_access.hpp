@@ -6,10 +6,15 @@
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace vmm {
+namespace vm {
+class handle_pool;
+}
 
 struct allocator_access {
   using impl = allocator::impl;
   static impl& of(allocator& a) { return *a.p_; }
+  // The allocator's idle handles, for a growable_buffer that shares them (growable_buffer::shared).
+  static vm::handle_pool& pool(allocator& a);
 };
 using allocator_impl = allocator_access::impl;
 

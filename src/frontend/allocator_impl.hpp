@@ -23,6 +23,7 @@
 #include "frontend/thread_cache.hpp"
 #include "frontend/trace_writer.hpp"
 #include "heap/heap.hpp"
+#include "vm/handle_pool.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace vmm {
@@ -41,7 +42,7 @@ struct pool_capture {
   std::function<bool(stream_t)> filter;  // empty: every stream
 };
 
-struct allocator::impl {
+struct allocator::impl final : vm::handle_pool {
   std::unique_ptr<arena> ar;
   std::unique_ptr<heap> hp;  // the allocator's own heap (id 0)
   mutable std::mutex mu;
@@ -90,36 +91,33 @@ struct allocator::impl {
   void flush_cache(tcache& c, bool all);  // caller holds mu
   void return_large(tcache& c);           // caller holds mu: the cached large block back to the heap
   // Caches whose large block the heap may take back (under mu: registered on a thread's first use,
-  // removed at its exit). take_back_large() is the heap's set_before_growth: every block cached
-  // now goes back (a compare-exchange each; its thread finds out on its next request).
+  // removed at its exit). take_back_large(), before a request grows: every block cached now goes
+  // back (a compare-exchange each; its thread finds out on its next request). A block a thread
+  // keeps for its next request is otherwise memory no other thread can use.
   std::vector<tcache*> large_holders;
   bool take_back_large();
 
-  // Runs the growth the arena parked (arena::defer_growth, park_releases) without lk: its driver
-  // calls (create, map, set_access, unmap, release: microseconds to milliseconds each) hold up no
-  // other thread. Then installs it under lk again (allocator.cpp).
-  status run_parked_growth(std::unique_lock<std::mutex>& lk);
+  // Runs the arena's pending job (arena.hpp): its driver calls (create, map, set_access, unmap,
+  // release: microseconds to milliseconds each) without lk when `drop`, so they hold up no other
+  // thread; then commits it under lk and hands a new mapping to its heap. Returns the mapping's
+  // outcome (ok when the job had none). Every call into the heap is followed by one.
+  status settle(std::unique_lock<std::mutex>& lk, bool drop);
+  // Whether jobs run without the lock (options.grow_outside_lock).
+  bool outside() const { return ar->opts().grow_outside_lock; }
   // Waits without lk for the work queued so far on each stream (a fence recorded on each under
   // lk), then marks what those fences cover done in the own heap (heap::defer_waits). A stream
   // being captured, or whose fence the driver refuses, is left as it is.
   void wait_streams(std::unique_lock<std::mutex>& lk, std::vector<stream_t> streams);
-  // Runs f (a free, a trim, a cache flush: anything that may give chunks back) under lk with the
-  // chunks and idle handles it gives back set aside; their unmaps and releases then run as a
-  // growth of their own after lk is dropped. Returns that growth's status (a refusal leaves the
-  // range retired or the handle parked: f itself succeeded). outside false: all of it under lk.
-  // ready_unmaps: also unmaps the retired ranges whose streams caught up (trim).
-  template <class F>
-  status releases_outside(std::unique_lock<std::mutex>& lk, bool outside, F&& f, bool ready_unmaps = false) {
-    ar->defer_releases(outside);
-    f();
-    ar->defer_releases(false);
-    if (!outside || !ar->park_releases(ready_unmaps)) return {};
-    const status st = run_parked_growth(lk);
-    ar->defer_growth(false);  // the mark of an unmap round is an allocation's retry's only
-    return st;
+  // vm::handle_pool: the arena's idle handles, lent and taken back under mu.
+  backend_iface& backend() override { return ar->drv().backend(); }
+  bool lend(std::size_t max, mem_handle& h, std::size_t& size) override {
+    std::lock_guard g(mu);
+    return ar->lend_idle(max, h, size);
   }
-  // Whether the own heap's releases run outside the lock (releases_outside's `outside`).
-  bool releases_leave_lock() const { return ar->opts().grow_outside_lock; }
+  bool take_back(mem_handle h, std::size_t size) override {
+    std::lock_guard g(mu);
+    return ar->take_back(h, size);
+  }
 };
 
 }  // namespace vmm

@@ -88,7 +88,7 @@ void allocator::end_pool(pool_id id) {
 
 void allocator::release_pool(pool_id id) {
   impl& m = *p_;
-  std::lock_guard g(m.mu);
+  std::unique_lock g(m.mu);
   auto it = m.pools.find(id);
   if (it == m.pools.end())
     throw error({errc::invalid_value, 0, "unknown pool", "release_pool"},
@@ -100,6 +100,7 @@ void allocator::release_pool(pool_id id) {
   it->second.released = true;
   it->second.hp->set_private(false);
   m.drop_pool(id, it->second);
+  (void)m.settle(g, m.outside());  // the unmaps of what the pool gave back
 }
 
 bool allocator::pool_stats(pool_id id, pool_info& out) const {

@@ -29,7 +29,8 @@ struct tl_caches {
         // another thread's allocation, stats() or first use wait for no driver call here.
         std::unique_lock h(o->mu);
         tcache& mine = *c;  // a name the lambda can capture (clang 14 does not capture bindings)
-        (void)o->releases_outside(h, o->releases_leave_lock(), [&] { o->flush_cache(mine, true); });
+        o->flush_cache(mine, true);
+        (void)o->settle(h, o->outside());
         o->hp->set_cache_tag(c->tag, false);  // its slabs are free for others to take
         std::erase(o->large_holders, c.get());
       }

@@ -38,14 +38,24 @@ heap::~heap() {
     if (ss.fence) p_->a.drv().drop_fence(ss.fence);
 }
 
-result<std::uintptr_t> heap::allocate(std::size_t n, std::size_t align, stream_t s) {
+heap::outcome heap::allocate(std::size_t n, std::size_t align, stream_t s, grow_mode g) {
+  auto& m = *p_;
+  m.begin_request(g);
+  // After a growth the driver refused, what this heap holds free goes back first: the growth
+  // that follows maps those handles, and is exactly the request's size (grow()).
+  if (g == grow_mode::last_resort && n <= m.a.reservation_size()) (void)m.reclaim();
   result<std::uintptr_t> r = allocate_once(n, align, s);
-  // Out of memory (the policy's limit or the driver's) while memory this heap holds is free:
+  // Out of memory (the policy's limit, the reservation) while memory this heap holds is free:
   // give it back and try once more, as PyTorch's caching allocator frees its cache before it
   // raises. Only on this failure path: the common path never pays for it.
-  if (!r.ok() && r.st.kind == errc::out_of_memory && n <= p_->a.reservation_size() && p_->reclaim())
+  if (!r.ok() && r.st.kind == errc::out_of_memory && g != grow_mode::never && n <= m.a.reservation_size() &&
+      m.reclaim())
     r = allocate_once(n, align, s);
-  return r;
+  outcome o;
+  if (!r.ok()) o.st = r.st;
+  else o.addr = r.value;
+  o.grows = !o.addr && o.st.ok() && m.planned;
+  return o;
 }
 
 result<std::uintptr_t> heap::allocate_once(std::size_t n, std::size_t align, stream_t s) {
@@ -58,7 +68,7 @@ result<std::uintptr_t> heap::allocate_once(std::size_t n, std::size_t align, str
   if (n <= m.small_limit() && align <= kUnit) return m.allocate_small(n, s);
   const bool huge = (n >= m.a.opts().huge_threshold || m.whole_chunks()) && align <= m.G;
   result<impl::block*> r = huge ? m.allocate_huge(n, align, s) : m.allocate_large(n, align, s);
-  if (!r.ok()) return {0, r.st};
+  if (!r.ok() || !r.value) return {0, r.st};  // an error, or no block (a growth planned, or none)
   m.note_alloc(n, r.value->size);
   return {r.value->addr, {}};
 }
@@ -205,9 +215,6 @@ status heap::trim(std::size_t keep) {
   if (m.private_pool) return {};
   ++m.st.trims;
   m.poll_deferred();
-  // What earlier calls parked was theirs to report (or went unreported inside a free); this call
-  // reports what it meets itself, the retry of that parked work included.
-  (void)m.a.take_parked_error();
   const status retried = m.a.retry_strays();  // a refusal stays parked (retried again later)
   m.destroy_empty_slabs();  // first: they pin chunks that are otherwise free
   // Retired ranges: their streams' work first, then the VA back.
@@ -216,18 +223,17 @@ status heap::trim(std::size_t keep) {
   std::uint32_t id = m.a.oldest_free_chunk(h);
   while (r.ok() && m.a.free_chunk_bytes(h) + m.a.idle_bytes() > keep) {
     if (m.a.idle_bytes()) {
-      r = m.a.release_idle(keep > m.a.free_chunk_bytes(h) ? keep - m.a.free_chunk_bytes(h) : 0);
-      if (!r.ok() || m.a.free_chunk_bytes(h) + m.a.idle_bytes() <= keep) break;
+      m.a.release_idle(keep > m.a.free_chunk_bytes(h) ? keep - m.a.free_chunk_bytes(h) : 0);
+      if (m.a.free_chunk_bytes(h) + m.a.idle_bytes() <= keep) break;
     }
     if (id == arena::no_chunk) break;
     bool busy = false;  // only while waits are deferred: a chunk a stream still uses is skipped
     r = m.release_chunk(id, false, true, busy);
     id = busy ? m.a.get(id).lru_next : m.a.oldest_free_chunk(h);
   }
-  // A release refused during this call is reported by this call only (its handle stays parked and
-  // is retried later); the first error wins.
-  status parked = m.a.take_parked_error();
-  return !r.ok() ? r : !parked.ok() ? parked : retried;
+  // The driver's refusals of the job this plans are the caller's to read once it ran
+  // (arena::take_parked_error); the first error wins.
+  return !r.ok() ? r : retried;
 }
 
 void heap::defer_waits(bool on) { p_->defer_waits = on && !p_->private_pool; }
@@ -241,10 +247,10 @@ void heap::note_waited(stream_t s, std::uint64_t point) {
   ss.completed_seq = std::max(ss.completed_seq, point + 1);  // a fence recorded at `point` completed
 }
 
-result<std::uintptr_t> heap::allocate_cacheable(std::size_t n, std::size_t align, stream_t s, block_ref& ref) {
-  auto r = allocate(n, align, s);
-  if (!r.ok()) return r;
-  impl::block* b = p_->block_at(r.value);
+heap::outcome heap::allocate_cacheable(std::size_t n, std::size_t align, stream_t s, grow_mode g, block_ref& ref) {
+  outcome r = allocate(n, align, s, g);
+  if (!r.addr) return r;
+  impl::block* b = p_->block_at(r.addr);
   if (!b) return r;  // a slot (small size): not cacheable here; ref stays empty
   ref.blk = b;
   // A new generation for every hand-out: a block freed and handed out again in the same struct
@@ -294,7 +300,6 @@ bool heap::cache_return(std::uintptr_t p, const block_ref& r) {
   return true;
 }
 
-void heap::set_before_growth(std::function<bool()> take_back) { p_->before_growth = std::move(take_back); }
 
 heap_stats heap::stats() const { return p_->st; }
 std::uint16_t heap::id() const { return p_->hid; }

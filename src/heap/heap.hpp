@@ -54,6 +54,14 @@ struct heap_stats {
   std::uint64_t margin_trims = 0;       // growths that gave free memory back first (free_memory_margin)
 };
 
+// How far a request may go for memory it does not find mapped.
+enum class grow_mode : std::uint8_t {
+  never,        // what is mapped, or nothing (the front end takes thread caches' blocks back first)
+  normal,       // plans a growth in the arena's job: geometric, stitching free chunks' handles
+  last_resort,  // after a growth the driver refused: everything free goes back first, then a
+                // growth of exactly what the request needs
+};
+
 class heap {
  public:
   // id: this heap's tag on the arena's chunks (0: the allocator's; graph pools get their own).
@@ -62,10 +70,18 @@ class heap {
   heap(const heap&) = delete;
   heap& operator=(const heap&) = delete;
 
-  // n >= 1, align a power of two >= 1 (raised to 256). Returns the address or 0 + status. Before
-  // it reports out_of_memory it reclaims what it holds free (empty slabs, free chunks, idle
-  // handles, deferred frees whose fences completed) and tries once more.
-  result<std::uintptr_t> allocate(std::size_t n, std::size_t align, stream_t s);
+  // What a request gets: the address; or a growth planned in the arena's pending job (grows: the
+  // caller runs the job, commits it, hands the mapping to adopt() and asks again); or neither
+  // (grow_mode::never found no fit); or an error.
+  struct outcome {
+    std::uintptr_t addr = 0;
+    status st;
+    bool grows = false;
+  };
+  // n >= 1, align a power of two >= 1 (raised to 256). Before it reports out_of_memory it
+  // reclaims what it holds free (empty slabs, free chunks, idle handles, deferred frees whose
+  // fences completed) and tries once more.
+  outcome allocate(std::size_t n, std::size_t align, stream_t s, grow_mode g = grow_mode::normal);
   // Errors (state untouched): invalid_pointer for foreign, interior, or already-freed pointers.
   status deallocate(std::uintptr_t p, stream_t s);
   // The block is also used on `s`: its free waits for a fence on `s` too.
@@ -89,9 +105,10 @@ class heap {
   // every block and slab slot with its state in address order. Walks all metadata: diagnostics.
   void memory_map(std::uint64_t pool, std::vector<segment_info>& out) const;
 
-  // A growth this heap's allocate() parked (arena::defer_growth), run and installed by the front
-  // end outside its lock: its memory joins the heap free, for the request tried again.
-  void adopt_growth(const arena::growth& g);
+  // A growth this heap planned, run and committed: its memory joins the heap free, for the request
+  // asked again. growth_refused: the driver refused it; the next growth starts small.
+  void adopt(const arena::job& j);
+  void growth_refused();
 
   // Releases empty slabs, wholly free chunks and idle handles until kept bytes <= keep.
   status trim(std::size_t keep);
@@ -139,9 +156,11 @@ class heap {
   // locked path decides).
   bool small_slot(std::uintptr_t p, slot_ref& r) const noexcept;
   // Under the caller's lock: hand out up to max slots of a class in state 2 (counted as allocated
-  // with 0 requested bytes), and take cached slots (state 2, req 0) back.
-  // tag: the calling thread cache (see set_cache_tag); its refills come from slabs it owns.
-  std::size_t refill(int cls, stream_t s, std::uintptr_t* out, std::size_t max, std::uint64_t tag);
+  // with 0 requested bytes; got says how many), and take cached slots (state 2, req 0) back.
+  // tag: the calling thread cache (see set_cache_tag); its refills come from slabs it owns. A new
+  // slab's growth ends the refill (outcome::grows).
+  outcome refill(int cls, stream_t s, std::uintptr_t* out, std::size_t max, std::uint64_t tag, grow_mode g,
+                 std::size_t& got);
   void set_cache_tag(std::uint64_t tag, bool alive);
   void flush(const std::uintptr_t* p, std::size_t n);
 
@@ -158,7 +177,7 @@ class heap {
   };
   // Under the lock: allocate() for a block a thread cache may take without the lock later. Its
   // requested bytes are left to the cache's counters.
-  result<std::uintptr_t> allocate_cacheable(std::size_t n, std::size_t align, stream_t s, block_ref& ref);
+  outcome allocate_cacheable(std::size_t n, std::size_t align, stream_t s, grow_mode g, block_ref& ref);
   // Lock-free, by the cache's thread: the user's block becomes the cache's (requested 0), or the
   // cache's the user's again (requested n). false: something changed it first (then lock).
   // A claimed block is the thread's alone until cache_publish() makes it one the heap may take
@@ -169,11 +188,6 @@ class heap {
   // Under the lock: a cached block goes back to the heap (freed on its stream). false: it was
   // not cached (reused by its thread, or taken back already); nothing changes.
   bool cache_return(std::uintptr_t p, const block_ref& r);
-  // Called under the front end's lock when a request finds no free memory that fits, before the
-  // heap grows: the front end hands back what its thread caches hold (cache_return) and says
-  // whether it did; the request then looks again. A block a thread keeps for its next request is
-  // otherwise memory no other thread can use, and the heap would create more instead.
-  void set_before_growth(std::function<bool()> take_back);
 
 
  private:

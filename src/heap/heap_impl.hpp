@@ -162,8 +162,14 @@ struct heap::impl {
   slab* slab_at(std::size_t pg) const { return pages[pg].s.load(std::memory_order_acquire); }
 
   arena& a;
-  std::function<bool()> before_growth;  // heap::set_before_growth
-  bool take_back_cached() { return before_growth && before_growth(); }
+  // The request being served: how far it may grow, and whether it planned a growth.
+  grow_mode mode = grow_mode::normal;
+  bool planned = false;
+  void begin_request(grow_mode g) {
+    mode = g;
+    planned = false;
+  }
+  block* fresh_huge = nullptr;  // the huge block adopt() made last (a hint: see allocate_huge)
   bool private_pool = false;  // a graph pool's: every mapped byte stays (see heap::set_private)
   std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;
@@ -261,6 +267,8 @@ struct heap::impl {
   // freed_seq != 0: the range is memory freed on x at that sequence (tagged, not fresh).
   void add_span_range(std::uintptr_t va, std::size_t size, stream_t x, std::uint64_t freed_seq = 0);
 
+  // Plans a growth for a request of `need` bytes on x (sets `planned`); ok and nothing planned
+  // under grow_mode::never.
   status grow(std::size_t need, stream_t x);
   void grown(bool pressed);  // the next growth's size after one that mapped memory
 

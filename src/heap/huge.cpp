@@ -23,8 +23,8 @@ status heap::impl::release_huge(block* b, bool keep_handle, const stream_t* reti
       if (!f.ok()) return f.st;
       a.retire_chunk(id, f.value, *retire_for);
       ++st.chunks_retired;
-    } else if (status u = a.evict_chunk(id, keep_handle); !u.ok()) {
-      return u;
+    } else {
+      a.give_back_chunk(id, keep_handle);
     }
     uncache_huge(b);
     b->size -= cs;
@@ -64,69 +64,71 @@ void heap::impl::uncache_huge(block* b) {
 result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t align, stream_t x) {
   std::size_t size = round_up(n, G);
   if (size < n) return {nullptr, fail(errc::out_of_memory, "size overflows")};
-  // A second pass once the thread caches have handed back their blocks (set_before_growth).
-  for (int pass = 0; pass < 2; ++pass) {
-    if (pass && !take_back_cached()) break;
-    // A cached chunk of the same size (up to 1/8 larger) costs no driver call at all.
-    for (auto it = huge_cache.lower_bound(size); it != huge_cache.end() && it->first <= size + size / 8; ++it) {
-      block* b = it->second;
-      if (!usable(b, x)) continue;
-      huge_cache.erase(it);
-      b->flags = f_huge;
-      b->set_requested(n);
-      b->stream = x;
-      account(b->addr, b->size, true);
-      return {b, {}};
-    }
-    // Free span memory that fits costs no driver call; chunks of its own would (remapping free
-    // chunks, or creating). Real training processes change shapes every step, and with them the
-    // sizes of their largest blocks: the cache above misses, span memory is there.
-    if (!whole_chunks()) {
-      // The smallest cached block up to twice the size is split instead of remapped: no driver
-      // call, and the rest stays span memory for the next shapes (training changes its largest
-      // blocks' sizes every step; options.def has what it costs).
-      if (a.opts().split_cached_huge)
-        for (auto it = huge_cache.upper_bound(size + size / 8); it != huge_cache.end() && it->first <= 2 * size; ++it) {
-          block* b = it->second;
-          if (!usable(b, x)) continue;
-          huge_cache.erase(it);
-          huge_to_spans(b, x);
-          break;
-        }
-      auto sp = allocate_large(n, align, x, false);
-      if (!sp.ok() || sp.value) return sp;
-    }
+  // The chunks a growth mapped for this request (adopt), whatever their size: a retired handle
+  // larger than the request may have been mapped whole. Only a hint: still cached, or not used.
+  if (block* f = std::exchange(fresh_huge, nullptr); f && f->size >= size) {
+    auto [lo, hi] = huge_cache.equal_range(f->size);
+    for (auto it = lo; it != hi; ++it)
+      if (it->second == f && usable(f, x)) {
+        huge_cache.erase(it);
+        f->flags = f_huge;
+        f->set_requested(n);
+        f->stream = x;
+        account(f->addr, f->size, true);
+        return {f, {}};
+      }
   }
+  // A cached chunk of the same size (up to 1/8 larger) costs no driver call at all.
+  for (auto it = huge_cache.lower_bound(size); it != huge_cache.end() && it->first <= size + size / 8; ++it) {
+    block* b = it->second;
+    if (!usable(b, x)) continue;
+    huge_cache.erase(it);
+    b->flags = f_huge;
+    b->set_requested(n);
+    b->stream = x;
+    account(b->addr, b->size, true);
+    return {b, {}};
+  }
+  // Free span memory that fits costs no driver call; chunks of its own would (remapping free
+  // chunks, or creating). Real training processes change shapes every step, and with them the
+  // sizes of their largest blocks: the cache above misses, span memory is there.
+  if (!whole_chunks()) {
+    // The smallest cached block up to twice the size is split instead of remapped: no driver
+    // call, and the rest stays span memory for the next shapes (training changes its largest
+    // blocks' sizes every step; options.def has what it costs).
+    if (a.opts().split_cached_huge)
+      for (auto it = huge_cache.upper_bound(size + size / 8); it != huge_cache.end() && it->first <= 2 * size; ++it) {
+        block* b = it->second;
+        if (!usable(b, x)) continue;
+        huge_cache.erase(it);
+        huge_to_spans(b, x);
+        break;
+      }
+    auto sp = allocate_large(n, align, x, false);
+    if (!sp.ok() || sp.value) return sp;
+  }
+  if (mode == grow_mode::never) return {nullptr, {}};
   bool pressed = false;
   if (status e = prepare_growth(size, x, pressed); !e.ok()) return {nullptr, e};
-  std::size_t got = size;  // more when a retired handle larger than the request is mapped whole
   // Several handles let a split block's free ones serve later requests. An exportable block is
-  // never split or reused, and each handle would cost an export: one handle.
+  // never split or reused, and each handle would cost an export: one handle, exactly its size.
+  // Otherwise a retired handle larger than the request may be mapped whole (`got`): its memory is
+  // held until its old range goes anyway; what is left beyond the request joins the spans.
   const std::size_t piece = huge_piece();
-  auto r = a.map_range(size, 0, kOwnerHuge, x, &got, hid, piece);
-  if (!r.ok() && !a.pending_growth() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
+  std::size_t got = size;
+  auto plan = [&] {
+    return a.map_range(size, 0, kOwnerHuge, x, whole_chunks() ? nullptr : &got, hid, piece, pressed);
+  };
+  auto r = plan();
+  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);
     if (!e.ok()) return {nullptr, e};
-    r = a.map_range(size, 0, kOwnerHuge, x, &got, hid, piece);
+    r = plan();
   }
-  if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
-  if (auto* g = a.pending_growth()) {  // runs outside the front end's lock: see grow()
-    g->stream = x;
-    g->pressed = pressed;
-    return {nullptr, r.st};
-  }
+  if (pressed) a.release_idle(0);  // what the growth does not map goes back to the device
   if (!r.ok()) return {nullptr, r.st};
-  size = got;
-  ++st.grows;  // new memory mapped, as grow() counts for spans
-  block* b = new_block();
-  b->addr = r.value;
-  b->size = size;
-  b->flags = f_huge;
-  b->set_requested(n);
-  b->stream = x;
-  link_page(b);
-  account(b->addr, b->size, true);
-  return {b, {}};
+  planned = true;
+  return {nullptr, {}};
 }
 
 void heap::impl::free_huge(block* b, stream_t s) {
@@ -150,22 +152,25 @@ void heap::impl::free_huge(block* b, stream_t s) {
   }
 }
 
-void heap::adopt_growth(const arena::growth& g) {
+void heap::adopt(const arena::job& j) {
   auto& m = *p_;
-  if (g.owner == heap_detail::kOwnerHuge) {
+  ++m.st.grows;
+  if (j.owner == heap_detail::kOwnerHuge) {
     // A dedicated chunk, fresh (untagged): in the huge cache the retried request finds it.
     impl::block* b = m.new_block();
-    b->addr = g.va;
-    b->size = g.size;
+    b->addr = j.va;
+    b->size = j.size;
     b->flags = impl::f_huge | impl::f_free;
     m.link_page(b);
     m.huge_cache.emplace(b->size, b);
-    ++m.st.grows;
+    m.fresh_huge = b;
     return;
   }
-  m.add_span_range(g.va, g.size, g.stream);  // grow() counted it when it asked
-  m.grown(g.pressed);
+  m.add_span_range(j.va, j.size, j.stream);
+  m.grown(j.pressed);
 }
+
+void heap::growth_refused() { p_->next_growth = p_->a.opts().min_chunk; }
 
 status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes,
                            std::size_t& offset) {

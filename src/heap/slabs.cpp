@@ -8,7 +8,7 @@ namespace vmm {
 
 result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
   auto r = allocate_large(G, G, x);
-  if (!r.ok()) return {nullptr, r.st};
+  if (!r.ok() || !r.value) return {nullptr, r.st};  // no page: a growth planned, or an error
   block* b = r.value;
   b->flags = f_slab;
   slab* s = nullptr;
@@ -85,7 +85,7 @@ result<std::uintptr_t> heap::impl::allocate_class(std::uint32_t cls, std::size_t
     s = pick_slab(heads[cls], tag);
     if (!s) {
       auto r = new_slab(cls, x);
-      if (!r.ok()) return {0, r.st};
+      if (!r.ok() || !r.value) return {0, r.st};
       s = r.value;
       s->owner = tag;
       list_push(heads, s);
@@ -164,14 +164,22 @@ void heap::set_cache_tag(std::uint64_t tag, bool alive) {
   if (alive) p_->live_tags.insert(tag); else p_->live_tags.erase(tag);
 }
 
-std::size_t heap::refill(int cls, stream_t s, std::uintptr_t* out, std::size_t max, std::uint64_t tag) {
-  std::size_t n = 0;
-  for (; n < max; ++n) {
-    auto r = p_->allocate_class(static_cast<std::uint32_t>(cls), 0, s, 2, tag);
-    if (!r.ok()) break;
-    out[n] = r.value;
+heap::outcome heap::refill(int cls, stream_t s, std::uintptr_t* out, std::size_t max, std::uint64_t tag,
+                           grow_mode g, std::size_t& got) {
+  auto& m = *p_;
+  m.begin_request(g);
+  outcome o;
+  for (got = 0; got < max; ++got) {
+    auto r = m.allocate_class(static_cast<std::uint32_t>(cls), 0, s, 2, tag);
+    if (!r.ok() || !r.value) {
+      o.st = r.st;
+      break;
+    }
+    out[got] = r.value;
   }
-  return n;
+  if (got) o.st = {};  // the slots handed out stand, whatever stopped the refill
+  o.grows = m.planned;
+  return o;
 }
 
 void heap::flush(const std::uintptr_t* ps, std::size_t n) {

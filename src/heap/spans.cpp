@@ -11,14 +11,9 @@ result<heap::impl::block*> heap::impl::allocate_large(std::size_t n, std::size_t
   std::size_t need = size + (align > kUnit ? align - kUnit : 0);
   if (size < n || need < size) return {nullptr, fail(errc::out_of_memory, "size overflows")};
   block* b = find_free(need, x);
-  if (!b && !may_grow) return {nullptr, {}};
-  if (!b && take_back_cached()) b = find_free(need, x);  // thread caches' blocks before new memory
-  if (!b) {
-    status g = grow(need, x);
-    if (!g.ok()) return {nullptr, g};
-    b = find_free(need, x);
-    if (!b) return {nullptr, fail(errc::out_of_memory, "no block fits after growth")};
-  }
+  // None fits: a growth is planned (or, grow_mode::never, nothing happens); the caller runs it and
+  // asks again.
+  if (!b) return {nullptr, may_grow ? grow(need, x) : status{}};
   remove_free(b);
   if (align > kUnit) {
     std::uintptr_t at = align_up(b->addr, align);
@@ -103,7 +98,7 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
 }
 
 status heap::impl::grow(std::size_t need, stream_t x) {
-  ++st.grows;
+  if (mode == grow_mode::never) return {};
   if (a.opts().idle_decay_ms > 0) last_growth = steady_ns();
   std::size_t size = round_up(need, G);
   bool pressed = false;
@@ -121,43 +116,31 @@ status heap::impl::grow(std::size_t need, stream_t x) {
       found = true, at = end, best_tail = tail, ext = e;
     }
   }
-  // Repeated growth is geometric (driver cost is per call), capped by max_growth.
+  // Repeated growth is geometric (driver cost is per call), capped by max_growth; after a growth
+  // the driver refused, exactly what is needed.
   std::size_t geo = std::min(next_growth, std::max(a.opts().max_growth, G));
   // At a new high of live bytes the process is still climbing: a step of peak_growth percent of
   // what is mapped (options.def says what it saves).
   if (const int pct = a.opts().peak_growth; pct > 0 && st.allocated >= st.peak_allocated)
     geo = std::max(geo, round_up(a.mapped_bytes(hid) / 100 * static_cast<std::size_t>(pct), G));
+  if (mode == grow_mode::last_resort) geo = 0;
   std::size_t want = ext;
   if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
-  std::size_t got = 0;  // mapped: want, or more when a retired handle larger than the rest was used whole
   const std::size_t piece = span_piece();
-  auto r = a.map_range(want, at, kOwnerSpan, x, &got, hid, piece);
-  // A growth deferred to run outside the front end's lock (arena::defer_growth) ends the
-  // attempt: the front end runs it, then adopt_growth() and the request again.
-  auto retry = [&] { return !r.ok() && !a.pending_growth(); };
-  if (retry() && want != ext) {
-    want = ext;
-    r = a.map_range(want, at, kOwnerSpan, x, &got, hid, piece);
-  }
-  if (retry() && at) {  // the hole after the span is gone: start a new span
-    want = size;
-    r = a.map_range(want, 0, kOwnerSpan, x, &got, hid, piece);
-  }
-  if (retry() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
+  std::size_t got = 0;  // more than asked when a retired handle larger than the rest is mapped whole
+  auto plan = [&](std::size_t n, std::uintptr_t where) { return a.map_range(n, where, kOwnerSpan, x, &got, hid, piece, pressed); };
+  auto r = plan(want, at);
+  // Planning fails only for lack of a hole or of room under the memory limit: try smaller.
+  if (!r.ok() && want != ext) r = plan(want = ext, at);
+  if (!r.ok() && at) r = plan(want = size, 0);  // the hole after the span is gone: a new span
+  if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
     status e = evict_free_chunks(~std::size_t{0}, true, false, &x);  // last resort: every idle-able chunk
     if (!e.ok()) return e;
-    want = size;
-    r = a.map_range(want, 0, kOwnerSpan, x, &got, hid, piece);
+    r = plan(want = size, 0);
   }
-  if (pressed) (void)a.release_idle(0);  // what the growth did not map goes back to the device
-  if (auto* g = a.pending_growth()) {
-    g->stream = x;
-    g->pressed = pressed;
-    return r.st;
-  }
+  if (pressed) a.release_idle(0);  // what the growth does not map goes back to the device
   if (!r.ok()) return r.st;
-  add_span_range(r.value, got, x);
-  grown(pressed);
+  planned = true;
   return {};
 }
 
@@ -168,7 +151,7 @@ void heap::impl::grown(bool pressed) {
 
 status heap::impl::prepare_growth(std::size_t size, stream_t x, bool& pressed) {
   pressed = relieve_pressure(size, x);
-  if (!a.opts().stitch_on_grow || pressed || a.evicted_for_retry()) return {};
+  if (!a.opts().stitch_on_grow || pressed) return {};
   return evict_free_chunks(size, true, false, &x);  // reuse wholly free chunks' physical memory
 }
 
@@ -263,8 +246,7 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
       }
       if (b == last) break;
     }
-    status u = a.evict_chunk(id, keep_handle);
-    if (!u.ok()) return u;
+    a.give_back_chunk(id, keep_handle);
   }
   // Cut [cs, ce) out of the span: split the edges, drop the middle, fix the span ends.
   for (block* b = first;; b = b->next_phys) {
@@ -326,7 +308,7 @@ void heap::impl::decay_idle() {
     if (!release_chunk(id, false, false, busy).ok()) return;
     id = busy ? a.get(id).lru_next : a.oldest_free_chunk(hid);
   }
-  if (a.idle_bytes() && now - last_growth >= period) (void)a.release_idle(0, true);
+  if (a.idle_bytes() && now - last_growth >= period) a.release_idle(0, true);
 }
 
 void heap::impl::maybe_release() {

@@ -131,50 +131,36 @@ status try_import(backend_iface& b, export_handle&& hin, const import_options& o
     return backend_fail(s, "reserve " + std::to_string(total) + " bytes");
 
   // All or nothing: imported handles are the import's own (released on failure), mappings are
-  // undone by the transaction, the reservation freed by `res`.
+  // undone by the transaction (vm::mapping_txn::place), the reservation freed by `res`.
   vm::strays left;
   status err{};
   std::string what;
   {
-    vm::mapping_txn txn(d, left);
-    std::size_t i = 0;
-    for (; i < h.chunks.size(); ++i) {
+    std::vector<vm::piece> pieces;
+    for (std::size_t i = 0; i < h.chunks.size(); ++i) {
       auto ih = d.import_handle(h.chunks[i].handle);
       if (!ih.ok()) {
         err = ih.st;
         what = "import chunk " + std::to_string(i);
+        for (const vm::piece& p : pieces)  // nothing mapped yet: the imported handles go
+          if (!vm::driver::twice([&] { return d.release(p.h); }).ok()) left.add_handle(p.h, p.size);
         break;
       }
-      m.handles_.emplace_back(ih.value, static_cast<std::size_t>(h.chunks[i].size));  // reserved above
+      pieces.push_back({static_cast<std::size_t>(h.chunks[i].size), ih.value, true});
     }
-    std::uintptr_t va = res.base();
-    for (std::size_t k = 0; err.ok() && k < m.handles_.size(); ++k) {
-      const auto [mh, n] = m.handles_[k];
-      if (status s = txn.map(va, n, mh, true); !s.ok()) {
-        err = s;
-        what = "map chunk " + std::to_string(k) + " (" + std::to_string(n) + " bytes)";
-        // txn released chunk k; the ones after it were never mapped
-        for (std::size_t r = k + 1; r < m.handles_.size(); ++r)
-          if (!vm::driver::twice([&] { return d.release(m.handles_[r].first); }).ok())
-            left.add_handle(m.handles_[r].first, m.handles_[r].second);
-        m.handles_.clear();
-        break;
+    if (err.ok()) {
+      vm::mapping_txn txn(d, left);
+      // One set_access over the whole range, for every device at once.
+      std::size_t k = 0;
+      err = txn.place(res.base(), pieces, acc, {}, &k);
+      if (err.ok()) {
+        txn.commit();
+        for (const vm::piece& p : pieces) m.handles_.emplace_back(p.h, p.size);  // reserved above
+      } else if (k < pieces.size()) {
+        what = "map chunk " + std::to_string(k) + " (" + std::to_string(pieces[k].size) + " bytes)";
+      } else {
+        what = "set_access for device " + std::to_string(o.device);
       }
-      va += n;
-    }
-    // One set_access over the whole range, for every device at once.
-    if (err.ok()) {
-      err = txn.set_access(res.base(), res.size(), acc);
-      if (!err.ok()) what = "set_access for device " + std::to_string(o.device);
-    }
-    if (err.ok()) {
-      txn.commit();
-    } else {
-      txn.rollback();
-      if (!m.handles_.empty() && i < h.chunks.size())  // an import failed: nothing was mapped yet
-        for (const auto& hn : m.handles_)
-          if (!vm::driver::twice([&] { return d.release(hn.first); }).ok()) left.add_handle(hn.first, hn.second);
-      m.handles_.clear();
     }
   }
   if (!err.ok()) {

@@ -113,43 +113,33 @@ struct kv_cache::impl {
   };
 
   // Maps pages [from, to) of slot s in every buffer: per buffer, one map per page and one
-  // set_access over the range. All or nothing (vm::mapping_txn): on failure every mapping made is
-  // unmapped, created handles are released and pooled ones handed back.
+  // set_access over the range (vm::mapping_txn::place). All or nothing: on failure every mapping
+  // made is unmapped, created handles are released and pooled ones handed back.
   void run(job& j) {
     counting k(j.c);
     const std::size_t n = j.to - j.from;
     vm::mapping_txn txn(d, j.strays);
-    std::vector<std::pair<mem_handle, bool>> made;  // handle, created
-    made.reserve(nbuf * n);
+    std::vector<vm::piece> placed;
+    placed.reserve(nbuf * n);
+    auto create = [&](std::size_t size) {
+      auto r = d.create(size, props);
+      if (r.ok()) ++j.created;
+      return r;
+    };
     status err{};
     for (std::size_t buf = 0; buf < nbuf && err.ok(); ++buf) {
-      for (std::size_t p = j.from; p < j.to && err.ok(); ++p) {
-        mem_handle h = 0;
-        const bool created = j.pooled.empty();
-        if (!created) {
-          h = j.pooled.back();
-          j.pooled.pop_back();
-        } else {
-          auto r = d.create(P, props);
-          if (!r.ok()) {
-            err = r.st;
-            break;
-          }
-          h = r.value;
-          ++j.created;
-        }
-        err = txn.map(va_of(buf, j.s, p), P, h, created);
-        if (err.ok()) made.emplace_back(h, created);
-      }
-      // A mapping has no access until this grants it (cuMemMap's rule); the range spans n mappings.
-      if (err.ok()) err = txn.set_access(va_of(buf, j.s, j.from), n * P, access);
+      std::vector<vm::piece> pages(n, vm::piece{P});
+      for (auto& pg : pages)
+        if (!j.pooled.empty()) pg.h = j.pooled.back(), j.pooled.pop_back();
+      err = txn.place(va_of(buf, j.s, j.from), pages, access, create);
+      if (err.ok()) placed.insert(placed.end(), pages.begin(), pages.end());
     }
     if (err.ok()) {
       txn.commit();
-      j.out.reserve(made.size());
-      for (auto& [h, created] : made) {
-        j.out.push_back(h);
-        if (!created) ++j.reused;
+      j.out.reserve(placed.size());
+      for (const vm::piece& pg : placed) {
+        j.out.push_back(pg.h);
+        if (!pg.created) ++j.reused;
       }
     } else {
       j.st = err;

@@ -25,8 +25,7 @@ class compression final : public policy {
     if (!s.props.compressible || granted(d, h)) return {};
     if (o.compression == compression_mode::require)
       return {errc::not_supported, 0, "compression requested but not granted", "cuMemCreate"};
-    // Counted while the front end's lock may not be held (growth outside the lock): atomic.
-    std::atomic_ref(s.compression_fallbacks).fetch_add(1, std::memory_order_relaxed);
+    ++s.compression_fallbacks;  // a job's own copy of the state (arena::run), merged at commit
     return {};
   }
   bool mapped(vm::driver& d, const state& s, mem_handle h) override { return s.props.compressible && granted(d, h); }

@@ -26,7 +26,7 @@ namespace vmm::policy {
 struct state {
   chunk_props props;                 // what every chunk is created with
   std::vector<access_desc> access;   // owner first: granted on every mapping
-  std::uint64_t compression_fallbacks = 0;  // written by create hooks outside the lock: atomic_ref
+  std::uint64_t compression_fallbacks = 0;
   std::uint64_t ipc_fallbacks = 0;
   std::uint64_t access_changes = 0;
 };

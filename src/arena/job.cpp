@@ -1,0 +1,337 @@
+// SPDX-License-Identifier: Apache-2.0
+// The arena's driver work as one protocol: plan (under the caller's lock, no driver call), run
+// (any thread, the lock not needed), commit (under the lock). See arena.hpp.
+#include <algorithm>
+#include <cassert>
+
+#include "arena/arena.hpp"
+
+namespace vmm {
+
+namespace {
+constexpr std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1) / g * g; }
+status fail(errc k, const char* op, const char* name) { return {k, 0, name, op}; }
+}  // namespace
+
+// ---- plan ---------------------------------------------------------------------------------------
+
+result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner, stream_t stream,
+                                        std::size_t* mapped, std::uint16_t heap, std::size_t max_piece,
+                                        bool pressed) {
+  if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
+  assert(!work_.maps());  // one mapping per job: the caller ran the last one
+  (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
+  // Retired ranges whose stream caught up give their VA back first: their unmaps run before the
+  // mapping, in the same job; the VA itself is the job's until commit, so it is no hole yet.
+  (void)poll_retiring(false);
+  auto hole_for = [&](std::size_t n) -> std::uintptr_t {
+    if (at) return hole_at(at, n) ? at : 0;
+    for (auto& [hs, hn] : holes_)
+      if (hn >= n) return hs;
+    return 0;
+  };
+  if (!hole_for(size)) {
+    return {0, at ? fail(errc::out_of_memory, "map", "no hole at the requested address")
+                  : fail(errc::out_of_memory, "cuMemAddressReserve", "reservation exhausted")};
+  }
+
+  // Pieces: idle handles first (largest that fit), then handles to create for the rest.
+  std::vector<vm::piece> pieces;
+  std::size_t taken = 0;  // physical bytes in `pieces`: still ours while they wait to be mapped
+  // Idle handles to release before the create (into the job only if the plan holds).
+  std::vector<std::multimap<std::size_t, mem_handle>::iterator> unfit;
+  std::size_t releasing = 0;
+  std::size_t total = 0;
+  while (total < size) {
+    const std::size_t want = size - total;
+    auto it = idle_.upper_bound(want);  // first idle handle larger than want
+    auto fit = it;
+    while (fit != idle_.begin() && !usable_for(std::prev(fit)->second, stream)) --fit;
+    if (fit != idle_.begin()) {
+      it = std::prev(fit);  // largest idle handle <= want this stream may map
+    } else if (mapped) {
+      // Every idle handle is larger than what is left. A retired one holds its memory until its
+      // old range goes: map the smallest such whole (the rest of the range is free span memory).
+      while (it != idle_.end() &&
+             !(aliased(it->second, true) && usable_for(it->second, stream) && hole_for(total + it->first)))
+        ++it;
+    } else {
+      it = idle_.end();
+    }
+    if (it != idle_.end()) {
+      pieces.push_back({it->first, it->second});
+      taken += it->first;
+      total += it->first;
+      idle_bytes_ -= it->first;
+      idle_.erase(it);
+      continue;
+    }
+    // Idle handles that could not serve this request only add to the footprint: the job releases
+    // them before it creates (peak physical stays close to peak mapped). One whose retired range
+    // is still mapped stays idle (its memory is not freed yet).
+    if (opt_.stitch_on_grow)
+      for (auto i = idle_.begin(); i != idle_.end(); ++i)
+        if (!aliased(i->second, false, true) && std::find(unfit.begin(), unfit.end(), i) == unfit.end()) {
+          unfit.push_back(i);
+          releasing += i->first;
+        }
+    // The limit is checked before the create: everything held (mappings planned on other
+    // threads included), the pieces taken for this range, plus what the create would add, less
+    // what this job releases before it creates.
+    const std::size_t physical = held_for_limit() + taken - releasing;
+    const std::size_t limit = memory_limit();
+    if (want > limit || physical > limit - want) {
+      for (const auto& p : pieces) idle_put(p.h, p.size);
+      return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
+    }
+    const std::size_t cap = max_piece ? std::max(round_up(max_piece, gran_), gran_) : want;
+    for (std::size_t left = want; left;) {
+      const std::size_t n = std::min(left, cap);
+      pieces.push_back({n});  // created by run
+      left -= n;
+    }
+    taken += want;
+    total += want;
+  }
+  const std::uintptr_t va = hole_for(total);
+  assert(va);  // checked for size, and for every larger total before a piece made it so
+
+  // The hole and the handles are the job's from here: nobody else maps there or takes them.
+  for (auto i : unfit) {
+    work_.releases.push_back({i->second, i->first});
+    releasing_bytes_ += i->first;
+    idle_bytes_ -= i->first;
+    idle_.erase(i);
+  }
+  take_hole(va, total);
+  inflight_.emplace(va, total);
+  inflight_bytes_ += total;
+  for (const auto& p : pieces)
+    if (p.h) inflight_lent_ += p.size;
+  job& j = work_;
+  j.va = va;
+  j.size = total;
+  j.owner = owner;
+  j.heap = heap;
+  j.stream = stream;
+  j.pressed = pressed;
+  j.pieces = std::move(pieces);
+  j.pol = pol_;
+  j.access = pol_.access;
+  j.access_gen = pol_.access_changes;
+  if (mapped) *mapped = total;
+  return {va, {}};
+}
+
+void arena::retire(std::uint32_t id, fence_t fence, stream_t stream, bool doom) {
+  chunk& c = chunks_[id];
+  assert(c.size && c.used == 0);
+  lru_remove(id);
+  for (std::size_t pg = page_of(c.va), e = pg + c.size / gran_; pg < e; ++pg) page_map_[pg] = no_chunk;
+  mapped_ -= c.size;
+  count_mapped(c, false);
+  if (c.compressed) compressed_bytes_ -= c.size;
+  --chunk_count_;
+  // A handle another retired range still maps (stitched from it) is not released with this range:
+  // it goes idle, and a release marks its ranges held (note_release_of_aliased).
+  if (doom && aliased(c.handle)) doom = false;
+  retiring_.push_back({c.va, c.size, c.handle, fence, 0, stream, false, doom});
+  if (doom) {
+    work_.releases.push_back({c.handle, c.size});
+    releasing_bytes_ += c.size;
+  } else {
+    idle_put(c.handle, c.size);
+  }
+  c = chunk{};
+  free_slots_.push_back(id);
+}
+
+void arena::give_back_chunk(std::uint32_t id, bool keep_handle) {
+  retire(id, 0, nullptr, !keep_handle);
+  retired& r = retiring_.back();
+  r.unmapping = true;
+  work_.unmaps.push_back({r.va, r.size, 0, r.h, false});
+}
+
+void arena::retire_chunk(std::uint32_t id, fence_t fence, stream_t stream) {
+  retire(id, fence, stream, false);
+  ++retired_count_;
+}
+
+status arena::poll_retiring(bool wait, std::vector<stream_t>* wait_out) {
+  status first{};
+  for (retired& r : retiring_) {
+    if (r.unmapping) continue;  // a job unmaps it
+    if (r.fence && !drv_.fence_done(r.fence)) {
+      if (!wait) continue;
+      if (wait_out) {
+        wait_out->push_back(r.stream);
+        continue;
+      }
+      if (status w = drv_.wait_fence(r.fence); !w.ok()) {  // still running: stays retired
+        if (first.ok()) first = w;
+        continue;
+      }
+    }
+    r.unmapping = true;
+    work_.unmaps.push_back({r.va, r.size, r.fence, r.h, false});
+  }
+  return first;
+}
+
+std::multimap<std::size_t, mem_handle>::iterator arena::release_later(
+    std::multimap<std::size_t, mem_handle>::iterator it) {
+  work_.releases.push_back({it->second, it->first});
+  releasing_bytes_ += it->first;
+  idle_bytes_ -= it->first;
+  return idle_.erase(it);
+}
+
+void arena::release_idle(std::size_t keep, bool keep_retired) {
+  (void)retry_strays();
+  (void)poll_retiring(false);
+  // Largest first: fewest driver calls for the bytes returned.
+  auto it = idle_.end();
+  while (idle_bytes_ > keep && it != idle_.begin()) {
+    --it;
+    if (keep_retired && aliased(it->second, true)) continue;
+    it = release_later(it);
+  }
+}
+
+// ---- run ----------------------------------------------------------------------------------------
+
+arena::job arena::take_work() {
+  job j = std::move(work_);
+  work_ = job{};
+  return j;
+}
+
+void arena::run(job& j) {
+  auto note = [&](const status& st) {
+    if (!st.ok() && j.refused.ok()) j.refused = st;
+    return st.ok();
+  };
+  // Retired ranges first: their unmaps succeed or fail on their own, whatever the mapping does.
+  for (auto& u : j.unmaps) {
+    u.done = note(vm::driver::twice([&] { return drv_.unmap(u.va, u.size); }));
+    if (u.done && u.fence) drv_.drop_fence(u.fence);
+  }
+  // Then the releases, before any create: the memory is the device's again first. A handle whose
+  // range the driver refused to unmap is parked instead (released by a later retry; the range
+  // stays retired until it is unmapped).
+  for (auto& l : j.releases) {
+    const bool still_mapped = std::any_of(j.unmaps.begin(), j.unmaps.end(),
+                                          [&](const job::unmap& u) { return u.h == l.h && !u.done; });
+    l.done = !still_mapped && note(vm::driver::twice([&] { return drv_.release(l.h); }));
+    if (!l.done) j.strays.add_handle(l.h, l.size);
+  }
+  if (!j.maps()) return;
+  // The policies' create hooks work on the job's copy of their state: a fallback they decide
+  // (fabric refused: POSIX fds) is applied to the arena's at commit.
+  j.pol_after = j.pol;
+  j.txn.emplace(drv_, j.strays);
+  j.st = j.txn->place(j.va, j.pieces, j.access, [&](std::size_t n) {
+    return policy::create_chunk(drv_, policies_, opt_, j.pol_after, n);
+  });
+  if (!j.st.ok()) {
+    j.txn->rollback();
+    return;
+  }
+  j.marked.assign(j.pieces.size(), false);
+  for (std::size_t i = 0; i < j.pieces.size(); ++i)
+    for (auto& pol : policies_) j.marked[i] = pol->mapped(drv_, j.pol_after, j.pieces[i].h) || j.marked[i];
+}
+
+// ---- commit -------------------------------------------------------------------------------------
+
+status arena::commit(job& j) {
+  for (const auto& u : j.unmaps)
+    for (std::size_t i = 0; i < retiring_.size(); ++i) {
+      retired& r = retiring_[i];
+      if (r.va != u.va) continue;
+      r.unmapping = false;
+      if (u.done) drop_retired(i);
+      break;
+    }
+  for (const auto& l : j.releases) {
+    releasing_bytes_ -= l.size;  // released, or parked as a stray
+    if (l.done) (void)note_release_of_aliased(l.h, l.size);  // a retired range may still map it
+  }
+  if (!j.refused.ok() && parked_error_.ok()) parked_error_ = j.refused;
+  if (!j.maps()) {
+    strays_.take(j.strays);  // releases the driver refused
+    return {};
+  }
+  inflight_.erase(j.va);
+  inflight_bytes_ -= j.size;
+  status st = j.st;
+  if (st.ok()) {
+    // What the create hooks decided outside the lock: a fallback counted once, here.
+    pol_.compression_fallbacks += j.pol_after.compression_fallbacks - j.pol.compression_fallbacks;
+    if (j.pol_after.props.ipc != j.pol.props.ipc && pol_.props.ipc == j.pol.props.ipc) {
+      pol_.props.ipc = j.pol_after.props.ipc;
+      pol_.ipc_fallbacks += j.pol_after.ipc_fallbacks - j.pol.ipc_fallbacks;
+    }
+  }
+  if (st.ok() && pol_.access_changes != j.access_gen) {
+    // A peer was granted or revoked while the driver calls ran: the new range gets the table of
+    // now, device by device, as set_peer_access gave it to every mapped run. If that fails, the
+    // mapping is undone as any failed one.
+    auto mode_in = [](std::span<const access_desc> t, int d) {
+      for (const auto& a : t)
+        if (a.device == d) return a.mode;
+      return access_mode::none;
+    };
+    std::vector<int> devices;
+    for (const auto& a : j.access) devices.push_back(a.device);
+    for (const auto& a : pol_.access) devices.push_back(a.device);
+    for (int d : devices) {
+      const access_mode now = mode_in(pol_.access, d);
+      if (now == mode_in(j.access, d)) continue;
+      const access_desc one[1] = {{d, now}};
+      if (st = drv_.set_access(j.va, j.size, one); !st.ok()) break;
+    }
+    if (!st.ok()) j.txn->rollback();
+  }
+  for (const auto& p : j.pieces)  // the idle handles it took are mapped now, or back below
+    if (p.h && !p.created) inflight_lent_ -= p.size;
+  if (!st.ok()) {
+    give_hole(j.va, j.size);
+    if (j.txn)
+      for (const auto& l : j.txn->returned()) idle_put(l.h, l.size);
+    else  // planned and never run (teardown): every piece is an idle handle or none yet
+      for (const auto& p : j.pieces)
+        if (p.h) idle_put(p.h, p.size);
+    for (const auto& e : j.strays.entries())
+      if (e.mapped) take_hole(e.va, e.size);  // what the driver refused to unmap keeps its VA
+    strays_.take(j.strays);
+    note_peaks();
+    return st;
+  }
+  j.txn->commit();
+  strays_.take(j.strays);  // releases the driver refused
+  install(j);
+  return {};
+}
+
+void arena::install(const job& j) {
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < j.pieces.size(); ++i) {
+    const vm::piece& p = j.pieces[i];
+    auto id = new_chunk_slot();
+    const bool marked = i < j.marked.size() && j.marked[i];
+    chunks_[id] = chunk{j.va + off, p.size, p.h, 0, no_chunk, no_chunk, j.owner, j.heap, marked};
+    for (std::size_t pg = page_of(j.va + off), e = pg + p.size / gran_; pg < e; ++pg) page_map_[pg] = id;
+    mapped_ += p.size;
+    count_mapped(chunks_[id], true);
+    if (marked) compressed_bytes_ += p.size;
+    if (!p.created) ++stitched_;
+    ++chunk_count_;
+    lru_push(id);  // a new chunk holds no block yet; the heap's add_used takes it off the list
+    off += p.size;
+  }
+  note_peaks();
+}
+
+}  // namespace vmm

@@ -2,7 +2,7 @@
 // bench_growth: growing a buffer from OLD to 2 x OLD (default 1 GiB -> 2 GiB).
 //
 //   growth_copy/<peer>   allocate 2 x OLD, copy OLD bytes, free the old buffer: what cudaMalloc
-//                        users do today (ANCHORS: ~1,550 us on an H200 for 1 -> 2 GiB)
+//                        users do today (~1,550 us on an H200 for 1 -> 2 GiB, docs/performance.md)
 //   growth_alloc/<peer>  allocate 2 x OLD alone: what a fresh allocation of the new size costs
 //   growth_inplace/<buf> vmm::growable_buffer resize(OLD -> 2 x OLD): maps only the extra OLD as one
 //                        chunk (one create + map + set_access), pointer unchanged, nothing copied.

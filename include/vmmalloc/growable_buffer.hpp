@@ -16,7 +16,7 @@
 //  * Memory is mapped at the tail in chunks. A chunk is one physical handle mapped by one map()
 //    call, so growing by D bytes is ONE driver round (create + map + set_access) of
 //    max(round_up(D, G), min_chunk) bytes, whatever D is: the driver's cost is per call, not per
-//    byte (ANCHORS.md: one 1 GiB chunk ~210 us; 512 chunks of 2 MiB ~30 ms). With
+//    byte (H200, docs/performance.md: one 1 GiB chunk ~210 us; 512 chunks of 2 MiB ~30 ms). With
 //    options.geometric, a chunk is also at least half the bytes already mapped, so growing in many
 //    small steps costs O(log n) driver rounds (like std::vector's doubling) at the price of up to
 //    50 % mapped-but-unused memory; when such a larger chunk does not fit in physical memory, the

@@ -11,7 +11,7 @@ namespace vmm {
 // Backend calls, attempts counted (a retry is a second call), by kind. Counted in one place: the
 // mapping layer's driver wrapper (src/vm/driver.hpp).
 struct driver_counts {
-  // Memory management: what total() sums (each ~1-600 us on the driver, ANCHORS.md).
+  // Memory management: what total() sums (each ~1-600 us on the driver, docs/performance.md).
   std::uint64_t reserve = 0, free_reservation = 0, create = 0, release = 0, map = 0, unmap = 0,
                 set_access = 0, export_handle = 0, import_handle = 0;
   // Queries and stream fences: cheap, counted apart.

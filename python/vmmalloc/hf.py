@@ -502,9 +502,9 @@ class VmmCache(Cache):
         raise TypeError("VmmCache cannot be pickled: its memory is one vmmalloc reservation")
 
 
-# Attention reads one layer's tokens at the group's token stride. Measured at 16,384+ tokens,
-# batch 8 (bench/RESULTS.md, runs 24, 26, 27): a 64 KiB stride decoded as fast as DynamicCache or
-# faster, 128 KiB 30 % slower. Groups cost up to one 2 MiB page each of mapped waste.
+# Attention reads one layer's tokens at the group's token stride. At 16,384 new tokens, batch 8, on
+# an H200: a 64 KiB stride decoded as fast as DynamicCache, a 128 KiB stride 30 % slower. Groups
+# cost up to one 2 MiB page each of mapped waste.
 _MAX_GROUP_TOKEN_BYTES = 64 << 10
 
 

@@ -17,7 +17,7 @@
 // A receiver maps each set of chunks once while any import uses it (keyed by sender, nonce,
 // device and export ids, which name physical memory for as long as it lives): blocks that lie on
 // the same chunks, as tensors of one model do, cost one import, one map and one set_access
-// together instead of one each (~75 us per block on an H200, bench/RESULTS.md runs 126-127).
+// together instead of one each (~75 us per block on an H200).
 // PyTorch's expandable segments share whole segments for the same reason.
 #include <sys/random.h>
 #include <sys/syscall.h>

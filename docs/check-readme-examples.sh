@@ -4,7 +4,9 @@
 # docs/*.md (the ```cpp and ```c blocks that define main) against include/ and BUILD_DIR's static
 # library, with warnings as errors, and runs them. Without a GPU they fall back to the host backend,
 # so every such example must run there. README.md must keep at least one C++ and one C example.
-# Blocks marked ```c++, ```cuda or ```python, and blocks without main(), are not compiled.
+# Blocks marked ```c++ or ```cuda, and blocks without main(), are not compiled. README.md's
+# ```python blocks that import no framework (torch, cupy, transformers) run with the package from
+# python/ and BUILD_DIR's libvmmalloc.so (not in sanitizer trees: an uninstrumented python).
 set -euo pipefail
 root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
 build="$(cd "${1:?usage: $0 BUILD_DIR}" && pwd)"
@@ -62,6 +64,28 @@ for f in "$tmp"/*.cpp "$tmp"/*.c; do
   esac
   count=$((count + 1))
 done
+readme_py=0
+if [[ -z "$san" ]] && command -v python3 >/dev/null; then
+  awk -v dir="$tmp" '
+    /^```python$/ { buf = ""; inside = 1; start = NR; next }
+    /^```/ && inside {
+      if (buf !~ /import (torch|cupy|transformers)|vmmalloc\.(torch|cupy|hf)/) {
+        n++; f = dir "/README-" n ".py"; printf "%s", buf > f; close(f)
+        printf "README.md:%d\n", start > (f ".where"); close(f ".where")
+      }
+      inside = 0; next
+    }
+    inside { buf = buf $0 "\n" }
+  ' "$root/README.md"
+  for f in "$tmp"/README-*.py; do
+    [[ -e "$f" ]] || continue
+    echo "-- example at $(cat "$f.where"): running"
+    VMMALLOC_LIB_DIR="$build/src" PYTHONPATH="$root/python" PYTHONDONTWRITEBYTECODE=1 python3 "$f" \
+      || { echo "example at $(cat "$f.where") failed" >&2; exit 1; }
+    readme_py=$((readme_py + 1))
+  done
+  (( readme_py >= 1 )) || { echo "README.md must keep a Python example that runs without a framework" >&2; exit 1; }
+fi
 (( readme_cpp >= 1 && readme_c >= 1 )) \
   || { echo "README.md must keep a C++ and a C example with main(); found $readme_cpp C++, $readme_c C" >&2; exit 1; }
-echo "examples: $count compiled and ran ($readme_cpp C++ and $readme_c C from README.md)"
+echo "examples: $count compiled and ran ($readme_cpp C++ and $readme_c C from README.md), $readme_py Python ran"

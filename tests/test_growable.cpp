@@ -5,7 +5,6 @@
 //
 // Host memory note: memfd pages are only allocated when touched, so buffers of 1-8 GiB cost
 // nothing here as long as the test touches a few bytes per MiB.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -218,7 +217,7 @@ TEST_CASE("small steps: linear driver rounds by default, O(log n) with geometric
   const std::size_t step = G, top = GiB;
   auto lin = growable_buffer::host(top);
   for (std::size_t n = step; n <= top; n += step) lin.resize(n);
-  CHECK(lin.counts().create == top / step);  // 512 rounds: ~30 ms on a GPU (ANCHORS)
+  CHECK(lin.counts().create == top / step);  // 512 rounds: ~30 ms on an H200 (docs/performance.md)
 
   vmm::growable_options o;
   o.geometric = true;

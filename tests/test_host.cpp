@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host backend: the conformance suite, plus what only the host backend can show in CI (the
 // driver's rules enforced, controllable fences, simulated peers, the C API, no-driver handling).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -21,11 +20,14 @@
 
 namespace {
 
-std::uint8_t pattern_byte(std::uint64_t seed, std::size_t i) {
-  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + i;
+// The pattern of `seed`: word w of a region is pattern_word(seed, w), a tail takes the low bytes
+// of the next word. Written and compared a word at a time (a byte at a time took 24 s of the
+// conformance run for its 1 GiB blocks, and far more under the sanitizers).
+std::uint64_t pattern_word(std::uint64_t seed, std::size_t w) {
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + w;
   x ^= x >> 29;
   x *= 0xBF58476D1CE4E5B9ull;
-  return static_cast<std::uint8_t>(x >> 56);
+  return x ^ (x >> 32);
 }
 
 struct host_traits {
@@ -37,13 +39,23 @@ struct host_traits {
   }
   static void fill(void* p, std::size_t n, std::uint64_t seed) {
     auto* b = static_cast<std::uint8_t*>(p);
-    for (std::size_t i = 0; i < n; ++i) b[i] = pattern_byte(seed, i);
+    std::size_t w = 0;
+    for (; 8 * w + 8 <= n; ++w) {
+      const std::uint64_t x = pattern_word(seed, w);
+      std::memcpy(b + 8 * w, &x, 8);
+    }
+    const std::uint64_t x = pattern_word(seed, w);
+    std::memcpy(b + 8 * w, &x, n - 8 * w);
   }
   static bool verify(const void* p, std::size_t n, std::uint64_t seed) {
     auto* b = static_cast<const std::uint8_t*>(p);
-    for (std::size_t i = 0; i < n; ++i)
-      if (b[i] != pattern_byte(seed, i)) return false;
-    return true;
+    std::size_t w = 0;
+    for (; 8 * w + 8 <= n; ++w) {
+      const std::uint64_t x = pattern_word(seed, w);
+      if (std::memcmp(b + 8 * w, &x, 8) != 0) return false;
+    }
+    const std::uint64_t x = pattern_word(seed, w);
+    return std::memcmp(b + 8 * w, &x, n - 8 * w) == 0;
   }
   static bool device_memory(std::size_t&, std::size_t&) { return false; }
   static vmm::stream_t stream(int i) { return reinterpret_cast<vmm::stream_t>(std::uintptr_t(0x1000 + i)); }

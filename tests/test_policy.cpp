@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Policies and observability on the host backend: run-time grant/revoke, export of whole-chunk
 // allocations, the fabric -> POSIX fd fallback, statistics (C++ and C) and trace recording.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <sys/mman.h>

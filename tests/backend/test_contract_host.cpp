@@ -3,7 +3,6 @@
 // backend, the fault-injecting decorator over it with nothing armed (a decorator must not change
 // the contract), and a backend with only the core, wrapped by make_backend (the wrapper must answer
 // for the optional parts it lacks).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include "backend/contract.hpp"

@@ -20,7 +20,6 @@
 // A double free is detected only while the address is not handed out again: once another
 // allocation reuses it, a second free of the old pointer frees the new block (as with any
 // allocator without per-allocation generations).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstdint>

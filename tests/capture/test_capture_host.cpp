@@ -4,7 +4,6 @@
 // unsafe invalidates the captures that prohibit it unless the calling thread is in relaxed mode.
 // The allocator must never invalidate a capture, on any path; graph pools keep a capture's memory
 // for its replays.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

@@ -7,7 +7,6 @@
 // out-of-memory reclaim for a stream that still uses freed memory. The memory
 // limit counts the growth in flight, so two growths at once cannot pass it together. Host
 // backend; CI runs it in the plain, ASan and TSan trees.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

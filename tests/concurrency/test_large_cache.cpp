@@ -3,7 +3,6 @@
 // next request of that size, without the lock. Correctness around it: reuse, cross-thread frees,
 // double frees, record_stream, trim, thread exit, stats, the heap taking a cached block back
 // before it grows; and many threads at once (TSan tree).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

@@ -11,7 +11,6 @@
 //   * the driver never sees two calls at once on one handle or VA range: six threads under a
 //     memory limit with trim() beside them, on a host backend whose calls take as long as the
 //     driver's (it aborts, naming both calls, on a violation)
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <array>

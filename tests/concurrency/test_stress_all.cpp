@@ -23,7 +23,6 @@
 // cannot block on a fence only the test completes (a GPU's wait would block instead). Counted apart.
 //
 // VMM_STRESS_MS: run time of each case (default 2000 ms, 600 ms in sanitizer builds).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

@@ -1,13 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Targeted fault-injection cases: regression tests for what the sweep found (the minimal
-// reproducers, kept; fixed in c4a0b53), stream-fence faults the sweep cannot observe (its streams
+// reproducers, kept), stream-fence faults the sweep cannot observe (its streams
 // are never held), and the C API.
 //
 // C API coverage: vmm_create builds its host allocator itself (vmm_policy has no way to pass a
 // backend), so the fault decorator cannot be put under a C allocator. The C cases below use the
 // host backend's own limits instead (host_physical_limit -> ENOMEM from create, memory_limit ->
 // the policy's limit): real failures through the real path, but errno codes, not CUDA's.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstring>

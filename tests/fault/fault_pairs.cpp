@@ -14,7 +14,6 @@
 // destroyed the host backend holds nothing.
 //
 // The allocator's own sweep over pairs is in fault_sweep.cpp ("combined faults").
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstring>

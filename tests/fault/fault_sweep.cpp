@@ -25,7 +25,6 @@
 //
 // Extra options (before doctest's own): --ops=create,map,...  sweep only these kinds;
 // --skip-ops=release,...  sweep all but these (to isolate a kind while debugging).
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <chrono>

@@ -6,11 +6,13 @@
 #   0. the tree: headers (vulkan_interop.hpp exactly when its library is there), libraries,
 #      libvmmalloc_torch.so, LICENSE, the tools
 #   1. CMake: find_package(vmmalloc), no CMAKE_CXX_STANDARD, no CUDA language: C++ on the static
-#      and the shared library, C on the static one, Vulkan interop where installed
+#      and the shared library, C on the static one, Vulkan interop where installed; then a C-only
+#      project (LANGUAGES C) on both libraries with find_package(CUDAToolkit) turned off
 #   2. CMake with LANGUAGES CUDA: a .cu file compiled by nvcc (where the tree has nvcc)
 #   3. pkg-config: C and C++ (cxxflags variable), each on the shared and on the static library
-#   4. the Python package: importable from <prefix>/lib/python3.X/site-packages, its _paths.py
-#      pointing at the installed libraries
+#   4. the Python package: importable with PYTHONPATH exactly as README.md writes it (the prefix
+#      put for /opt/vmmalloc), one copy of it, no template, its _paths.py pointing at the
+#      installed libraries
 #   5. the tools start without libcudart on the loader path (ldd)
 # Each consumer runs on the host backend and must print "<name> ok". Exit 0 when all pass.
 # If BUILD_DIR was configured with VMM_SANITIZE, the consumers are built with the same sanitizers
@@ -89,6 +91,16 @@ if [[ -f "$libdir/libvmmalloc_vulkan.a" ]]; then
   run_consumer consumer_vulkan "$tmp/consumer/consumer_vulkan"
 fi
 
+step "C-only find_package(vmmalloc) consumer (LANGUAGES C, no CUDA toolkit)"
+cmake -S "$here/c_only" -B "$tmp/consumer_c_only" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON -DCMAKE_C_FLAGS="$san_flags" \
+      -DCMAKE_EXE_LINKER_FLAGS="$san_flags" >"$tmp/configure_c.log" 2>&1 \
+  || { cat "$tmp/configure_c.log"; fail "configure of the C-only consumer"; }
+cmake --build "$tmp/consumer_c_only" -j2 >"$tmp/build_c.log" 2>&1 \
+  || { cat "$tmp/build_c.log"; fail "build of the C-only consumer (static target's C++ runtime?)"; }
+run_consumer consumer_c "$tmp/consumer_c_only/consumer_c"
+run_consumer consumer_c "$tmp/consumer_c_only/consumer_c_shared"
+
 # 2. nvcc consumer: only where the tree found nvcc; not in sanitizer trees (nvcc takes no -fsanitize).
 nvcc="$(cache CMAKE_CUDA_COMPILER)"
 if [[ -n "$nvcc" && -x "$nvcc" && -z "$san" ]]; then
@@ -152,14 +164,18 @@ run_consumer consumer_cxx "$tmp/consumer_cxx_pc"
       ${static_libs//-lvmmalloc/-l:libvmmalloc.a} || fail "C++ consumer with pkg-config --static"
 run_consumer consumer_cxx "$tmp/consumer_cxx_static"
 
-# 4. The Python package.
-pydir="$(cache VMM_PYTHON_INSTALL_DIR)"
+# 4. The Python package, with PYTHONPATH exactly as the README writes it.
 python="$(cache VMM_INSTALL_PYTHON)"
+readme="$here/../../README.md"
 if [[ -f "$here/../../python/vmmalloc/__init__.py" ]]; then
-  [[ -n "$pydir" ]] || fail "the tree has python/vmmalloc/ but VMM_PYTHON_INSTALL_DIR is empty (no Python 3 found?)"
   [[ -x "$python" ]] || python="$(command -v python3)" || fail "no python3 to import the package with"
-  [[ "$pydir" == /* ]] || pydir="$prefix/$pydir"
-  step "PYTHONPATH=$pydir $python -c 'import vmmalloc, vmmalloc._paths'"
+  written="$(grep -o 'PYTHONPATH=/opt/vmmalloc[^ `]*' "$readme" | head -n 1)"
+  [[ -n "$written" ]] || fail "README.md gives no PYTHONPATH=/opt/vmmalloc/..."
+  pydir="$prefix${written#PYTHONPATH=/opt/vmmalloc}"
+  copies="$(find "$prefix" -path '*/vmmalloc/__init__.py' | wc -l)"
+  [[ "$copies" == 1 ]] || fail "the Python package is installed $copies times"
+  ! find "$prefix" -name '*.in' | grep -q . || fail "a template is installed: $(find "$prefix" -name '*.in')"
+  step "README's $written, here: PYTHONPATH=$pydir $python -c 'import vmmalloc, vmmalloc._paths'"
   [[ -f "$pydir/vmmalloc/__init__.py" && -f "$pydir/vmmalloc/_paths.py" ]] || fail "Python package not installed in $pydir"
   # Each LIB_DIRS entry, relative to the package folder, must be the installed libdir, holding the
   # libraries; the shared library must load (not in sanitizer trees: an uninstrumented python).

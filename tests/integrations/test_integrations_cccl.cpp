@@ -7,7 +7,6 @@
 // device_vector default copier before main().
 #include <cuda_runtime_api.h>  // first, on purpose: see the last case
 
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstdint>

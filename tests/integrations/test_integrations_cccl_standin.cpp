@@ -4,7 +4,6 @@
 // the toolkit here has CCCL 3.0, and no Debian or npm package has 3.1+. The stand-in declares the
 // renamed concepts with the shapes of CCCL 3.1's cuda/__memory_resource/resource.h; it has no
 // resource_ref. The cases are cuda_mr_cases.hpp, shared with integrations.cccl.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #define VMM_TEST_NO_RESOURCE_REF  // the stand-in has only the concepts

@@ -4,7 +4,6 @@
 // This TU is compiled WITHOUT the CUDA include path: adapters.hpp must compile without CCCL, and
 // device_vector.hpp must not pick up cudart (the device-memory copy path is tested here with a
 // backend that hides cap_host_access, so the vector treats its memory as device memory).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <cstdint>

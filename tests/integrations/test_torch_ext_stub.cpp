@@ -7,7 +7,6 @@
 // libvmmalloc_torch.so with the host backend. What this cannot show: that the real headers
 // compile (the GPU machine builds the real extension) and PyTorch's own call sequences
 // (gpu.torch_graphs runs those).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <sys/wait.h>

@@ -2,7 +2,6 @@
 // libvmmalloc_torch.so on the host backend (CI, no GPU): what PyTorch sees through the C functions.
 // The throwing malloc can only be tested from C++ (ctypes cannot catch a C++ exception); the rest
 // of the C API is tested from Python in test_torch_lib_host.py.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

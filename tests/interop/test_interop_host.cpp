@@ -2,7 +2,6 @@
 // Host tests of the Vulkan interop's CUDA side (external_arena, external_semaphore, release_after)
 // over a fake external_api: sub-allocation, stream-ordered reuse, the fd rule, teardown order,
 // argument validation. No GPU, no Vulkan.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <sys/mman.h>

@@ -4,7 +4,6 @@
 // failure (for runs on the GPU machine, where a skip would hide a broken setup).
 #pragma once
 
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdio>

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // doctest main of the host IPC tests. SIGPIPE is ignored as a safety net: the library sends with
 // MSG_NOSIGNAL and a test that still raised SIGPIPE would otherwise die silently.
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <signal.h>

@@ -6,7 +6,6 @@
 //
 // Geometry of most cases: 64 KiB host granularity = page; T = 4 heads x 64 dims x 2 B = 512 B, so
 // 128 tokens a page; 2 layers = 4 buffers (K0 V0 K1 V1). Memory stays small (a few MiB).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

@@ -5,7 +5,6 @@
 //
 // README.md's table is generated; after editing options.def, rewrite it with
 //   build/tests/options/test_options --write-readme README.md
-#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cstdlib>

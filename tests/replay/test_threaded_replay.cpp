@@ -2,7 +2,6 @@
 // Threaded replay of v2 traces and the host-backend lag (tools/replay/replay_pass.hpp), on the
 // host backend: events run in the recorded order on the recorded threads, blocks freed by another
 // thread than the one that allocated them replay cleanly, and --lag holds stream-ordered reuse back.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <unistd.h>

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The timeline cut (tools/replay/timeline.hpp) used by vmm-replay --samples and vmm-plot, and
 // vmm-plot's reader of vmm-replay's JSON (tools/plot/replay_json.hpp, over nlohmann-json).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <algorithm>

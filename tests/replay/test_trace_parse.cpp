@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The trace parser (tools/replay/trace.hpp): v1 and v2 (docs/trace-format.md), line numbers in
 // errors, .gz and plain input, and ADDR names reused after a free mapping to the right block.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #ifdef VMM_REPLAY_ZLIB

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Minimal reproducers of what vmm-stress found (each case names the run that showed it), kept as
 // regression tests (CTest stress.regressions).
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
 #include <atomic>

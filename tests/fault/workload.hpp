@@ -35,10 +35,11 @@ inline stream_t stream_tag(int s) { return s ? reinterpret_cast<stream_t>(static
 
 // Options of the sweep: huge reached at 16 MiB, geometric growth capped at 4 MiB (many chunks),
 // huge blocks above 64 MiB created as several handles (huge_chunk: a fault part-way through one growth),
-// release threshold 64 MiB (frees of big blocks unmap chunks during the workload), 8 GiB VA.
+// release threshold 64 MiB (frees of big blocks unmap chunks during the workload), 2 GiB VA: the
+// scripts hold under 1 GiB at once, and fill_reservation maps every hole of it after each fault.
 inline options sweep_options() {
   options o;
-  o.reservation_size = 8 * GiB;
+  o.reservation_size = 2 * GiB;
   o.huge_threshold = 16 * MiB;
   o.huge_chunk = 64 * MiB;
   o.max_growth = 4 * MiB;

@@ -160,8 +160,11 @@ void arena::give_hole(std::uintptr_t va, std::size_t size) {
 }
 
 bool arena::usable_for(mem_handle h, stream_t s) {
+  // A range being unmapped had its fence complete before its job took it.
   for (const auto& r : retiring_)
-    if (r.h == h && !r.released && !r.doomed && r.fence && r.stream != s && !drv_.fence_done(r.fence)) return false;
+    if (r.h == h && !r.released && !r.doomed && !r.unmapping && r.fence && r.stream != s &&
+        !drv_.fence_done(r.fence))
+      return false;
   return true;
 }
 

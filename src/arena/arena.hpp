@@ -94,7 +94,6 @@ class arena {
     struct unmap {  // a retired range (or a chunk given back), unmapped first
       std::uintptr_t va = 0;
       std::size_t size = 0;
-      fence_t fence = 0;
       mem_handle h = 0;  // the handle it maps
       bool done = false;
     };

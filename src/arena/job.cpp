@@ -150,7 +150,7 @@ void arena::give_back_chunk(std::uint32_t id, bool keep_handle) {
   retire(id, 0, nullptr, !keep_handle);
   retired& r = retiring_.back();
   r.unmapping = true;
-  work_.unmaps.push_back({r.va, r.size, 0, r.h, false});
+  work_.unmaps.push_back({r.va, r.size, r.h, false});
 }
 
 void arena::retire_chunk(std::uint32_t id, fence_t fence, stream_t stream) {
@@ -174,7 +174,7 @@ status arena::poll_retiring(bool wait, std::vector<stream_t>* wait_out) {
       }
     }
     r.unmapping = true;
-    work_.unmaps.push_back({r.va, r.size, r.fence, r.h, false});
+    work_.unmaps.push_back({r.va, r.size, r.h, false});
   }
   return first;
 }
@@ -215,7 +215,6 @@ void arena::run(job& j) {
   // Retired ranges first: their unmaps succeed or fail on their own, whatever the mapping does.
   for (auto& u : j.unmaps) {
     u.done = note(vm::driver::twice([&] { return drv_.unmap(u.va, u.size); }));
-    if (u.done && u.fence) drv_.drop_fence(u.fence);
   }
   // Then the releases, before any create: the memory is the device's again first. A handle whose
   // range the driver refused to unmap is parked instead (released by a later retry; the range
@@ -251,6 +250,9 @@ status arena::commit(job& j) {
       retired& r = retiring_[i];
       if (r.va != u.va) continue;
       r.unmapping = false;
+      // The fence goes with the entry, under the lock: until here other threads may still ask
+      // about it (usable_for, poll_retiring), and a query of a destroyed event is undefined.
+      if (u.done && r.fence) drv_.drop_fence(r.fence);
       if (u.done) drop_retired(i);
       break;
     }

@@ -122,8 +122,10 @@ struct host_backend::impl {
   std::vector<call> flight;
   std::uint64_t next_call = 1;
 
-  // Fences: a fence is pending while its stream is held. Ids are never reused.
+  // Fences: a fence is pending while its stream is held. Ids are never reused; live until dropped
+  // (a query, a wait or a drop of a dropped one is the driver's use of a destroyed event).
   fence_t next_fence = 1;
+  std::unordered_set<fence_t> live_fences;
   std::unordered_set<stream_t> held;
   std::unordered_map<fence_t, stream_t> pending;
 
@@ -527,12 +529,17 @@ result<fence_t> host_backend::record_fence(stream_t s) {
   if (!p_->held.count(s)) return {0, {}};  // host streams run synchronously: already complete
   fence_t f = p_->next_fence++;
   p_->pending[f] = s;
+  p_->live_fences.insert(f);
   return {f, {}};
 }
 
 bool host_backend::fence_done(fence_t f) {
   if (f == 0) return true;
-  std::lock_guard g(p_->mu);
+  std::unique_lock g(p_->mu);
+  if (!p_->live_fences.count(f)) {
+    (void)p_->violation(g, "cuEventQuery(event " + std::to_string(f) + "): the event was destroyed", {});
+    return false;
+  }
   if (!p_->unsafe("cuEventQuery").ok()) return false;  // refused: never taken for "done"
   return !p_->pending.count(f);
 }
@@ -540,7 +547,10 @@ bool host_backend::fence_done(fence_t f) {
 status host_backend::wait_fence(fence_t f) {
   if (f == 0) return {};
   {
-    std::lock_guard g(p_->mu);
+    std::unique_lock g(p_->mu);
+    if (!p_->live_fences.count(f))
+      return p_->violation(g, "cuEventSynchronize(event " + std::to_string(f) + "): the event was destroyed",
+                           errno_status(EINVAL, "wait_fence"));
     if (status u = p_->unsafe("cuEventSynchronize"); !u.ok()) return u;
   }
   // A held stream is completed only by the test; waiting on it would deadlock, so say so.
@@ -578,7 +588,15 @@ status host_backend::end_capture(stream_t s, std::string* why) {
   return {errc::other, kCaptureInvalidated, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "cuStreamEndCapture"};
 }
 
-void host_backend::drop_fence(fence_t) {}  // ids are never reused; completed ones hold nothing
+void host_backend::drop_fence(fence_t f) {
+  if (f == 0) return;
+  std::unique_lock g(p_->mu);
+  if (!p_->live_fences.erase(f)) {
+    (void)p_->violation(g, "cuEventDestroy(event " + std::to_string(f) + "): destroyed already", {});
+    return;
+  }
+  p_->pending.erase(f);
+}
 
 result<memory_info> host_backend::mem_info() {
   std::lock_guard g(p_->mu);

@@ -40,6 +40,11 @@ struct host_backend_options {
   // real driver takes 1-600 us): races the driver's windows expose show up here too. 0 = as fast
   // as mmap.
   unsigned call_us = 0;
+  // Hand released handle values out again, the last released first, as the driver does (its
+  // handles are addresses of its own records): a value kept past its release then names a newer
+  // handle, and only the allocator's own checks can tell. Off: values are never reused, so any
+  // use after release is a violation.
+  bool reuse_handles = false;
 };
 
 class host_backend {

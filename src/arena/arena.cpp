@@ -82,18 +82,6 @@ void arena::idle_put(mem_handle h, std::size_t size) {
   idle_bytes_ += size;
 }
 
-bool arena::note_release_of_aliased(mem_handle h, std::size_t size) {
-  const std::uint64_t id = ++release_ids_;
-  bool any = false;
-  for (auto& r : retiring_)
-    if (r.h == h && !r.released && !r.doomed) {
-      r.released = id;  // the memory stays until its last retired range is unmapped: still counted
-      any = true;
-    }
-  if (any) retired_held_ += size;
-  return any;
-}
-
 void arena::drop_retired(std::size_t i) {
   const retired r = retiring_[i];
   retiring_[i] = retiring_.back();
@@ -162,7 +150,7 @@ void arena::give_hole(std::uintptr_t va, std::size_t size) {
 bool arena::usable_for(mem_handle h, stream_t s) {
   // A range being unmapped had its fence complete before its job took it.
   for (const auto& r : retiring_)
-    if (r.h == h && !r.released && !r.doomed && !r.unmapping && r.fence && r.stream != s &&
+    if (r.h == h && r.names_live_handle() && !r.unmapping && r.fence && r.stream != s &&
         !drv_.fence_done(r.fence))
       return false;
   return true;
@@ -170,7 +158,7 @@ bool arena::usable_for(mem_handle h, stream_t s) {
 
 bool arena::aliased(mem_handle h, bool fenced_only, bool after_work) const {
   for (const auto& r : retiring_) {
-    if (r.h != h || r.released || r.doomed || (!r.fence && fenced_only)) continue;
+    if (r.h != h || !r.names_live_handle() || (!r.fence && fenced_only)) continue;
     if (after_work && r.unmapping &&
         std::any_of(work_.unmaps.begin(), work_.unmaps.end(), [&](const job::unmap& u) { return u.va == r.va; }))
       continue;

@@ -100,6 +100,7 @@ class arena {
     struct release {  // a handle released after the unmaps, before any create
       mem_handle h = 0;
       std::size_t size = 0;
+      std::uint64_t id = 0;  // the retired ranges of h at plan time carry it (retired::releasing)
       bool done = false;
     };
     std::vector<unmap> unmaps;
@@ -276,7 +277,8 @@ class arena {
   void retire(std::uint32_t id, fence_t fence, stream_t stream, bool doom);
   void install(const job& j);
   void drop_retired(std::size_t i);  // its range was unmapped: VA back, held bytes settled
-  bool note_release_of_aliased(mem_handle h, std::size_t size);
+  // Queues the release of h (idle, or a doomed chunk's) for the pending job.
+  void plan_release(mem_handle h, std::size_t size);
   // Whether h is still mapped by a retired range (fenced_only: one that waits for a stream;
   // after_work: not one the pending job unmaps, before its releases).
   bool aliased(mem_handle h, bool fenced_only = false, bool after_work = false) const;
@@ -317,8 +319,12 @@ class arena {
     bool unmapping = false;     // a job unmaps it (its entry in job::unmaps)
     // Its handle is released by a job after the unmap: no other range or idle entry holds it, and
     // once released its value may come back from a create before the range leaves retiring_, so
-    // it must not match that new handle (aliased, note_release_of_aliased).
+    // it must not match that new handle (aliased, usable_for, plan_release).
     bool doomed = false;
+    // A job releases its handle (that job's release id): from the driver's release on, its value
+    // may be another handle's, so it matches nothing either; released at commit, or 0 if refused.
+    std::uint64_t releasing = 0;
+    bool names_live_handle() const { return !released && !releasing && !doomed; }
   };
   std::vector<retired> retiring_;
   std::size_t retired_held_ = 0;  // bytes of released handles still mapped by retired ranges

@@ -97,12 +97,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   assert(va);  // checked for size, and for every larger total before a piece made it so
 
   // The hole and the handles are the job's from here: nobody else maps there or takes them.
-  for (auto i : unfit) {
-    work_.releases.push_back({i->second, i->first});
-    releasing_bytes_ += i->first;
-    idle_bytes_ -= i->first;
-    idle_.erase(i);
-  }
+  for (auto i : unfit) (void)release_later(i);
   take_hole(va, total);
   inflight_.emplace(va, total);
   inflight_bytes_ += total;
@@ -133,12 +128,11 @@ void arena::retire(std::uint32_t id, fence_t fence, stream_t stream, bool doom) 
   if (c.compressed) compressed_bytes_ -= c.size;
   --chunk_count_;
   // A handle another retired range still maps (stitched from it) is not released with this range:
-  // it goes idle, and a release marks its ranges held (note_release_of_aliased).
+  // it goes idle, and a release marks its ranges held (plan_release, commit).
   if (doom && aliased(c.handle)) doom = false;
   retiring_.push_back({c.va, c.size, c.handle, fence, 0, stream, false, doom});
   if (doom) {
-    work_.releases.push_back({c.handle, c.size});
-    releasing_bytes_ += c.size;
+    plan_release(c.handle, c.size);
   } else {
     idle_put(c.handle, c.size);
   }
@@ -181,10 +175,19 @@ status arena::poll_retiring(bool wait, std::vector<stream_t>* wait_out) {
 
 std::multimap<std::size_t, mem_handle>::iterator arena::release_later(
     std::multimap<std::size_t, mem_handle>::iterator it) {
-  work_.releases.push_back({it->second, it->first});
-  releasing_bytes_ += it->first;
+  plan_release(it->second, it->first);
   idle_bytes_ -= it->first;
   return idle_.erase(it);
+}
+
+void arena::plan_release(mem_handle h, std::size_t size) {
+  // The retired ranges that map h are named now, under the lock: once the job's release returns,
+  // another thread's create may get h's value back and retire a range of it before this commit.
+  const std::uint64_t id = ++release_ids_;
+  for (auto& r : retiring_)
+    if (r.h == h && r.names_live_handle()) r.releasing = id;
+  work_.releases.push_back({h, size, id});
+  releasing_bytes_ += size;
 }
 
 void arena::release_idle(std::size_t keep, bool keep_retired) {
@@ -258,7 +261,14 @@ status arena::commit(job& j) {
     }
   for (const auto& l : j.releases) {
     releasing_bytes_ -= l.size;  // released, or parked as a stray
-    if (l.done) (void)note_release_of_aliased(l.h, l.size);  // a retired range may still map it
+    // The retired ranges still mapping it hold its memory until their unmap (counted once).
+    bool held = false;
+    for (auto& r : retiring_) {
+      if (r.releasing != l.id) continue;
+      r.releasing = 0;
+      if (l.done) r.released = l.id, held = true;
+    }
+    if (held) retired_held_ += l.size;
   }
   if (!j.refused.ok() && parked_error_.ok()) parked_error_ = j.refused;
   if (!j.maps()) {

@@ -105,10 +105,19 @@ struct host_backend::impl {
   };
   std::map<std::uintptr_t, std::size_t> reservations;  // va -> size
   std::map<std::uintptr_t, mapping> mappings;          // va -> mapping
-  // Handle values are never reused (the driver's may be, but a value used after its release
-  // must be caught, not mistaken for a newer handle).
+  // Handle values are never reused unless reuse_handles (the driver's are; never reusing them
+  // catches a value used after its release, reusing them what mistakes it for a newer handle).
   std::unordered_map<mem_handle, handle_rec> handles;
   mem_handle next_handle = 0x10001;
+  std::vector<mem_handle> released_values;  // reuse_handles: the last released is handed out first
+  mem_handle new_handle() {
+    if (opt.reuse_handles && !released_values.empty()) {
+      const mem_handle h = released_values.back();
+      released_values.pop_back();
+      return h;
+    }
+    return next_handle++;
+  }
 
   // A call in flight: the VA and the handles it touches.
   struct call {
@@ -331,7 +340,7 @@ result<mem_handle> host_backend::create(std::size_t size, const chunk_props& p) 
     m.created_bytes -= size;
     return {0, errno_status(err, failed)};
   }
-  const mem_handle h = m.next_handle++;
+  const mem_handle h = m.new_handle();
   m.handles[h] = {fd, size, size};
   return {h, {}};
 }
@@ -355,6 +364,7 @@ status host_backend::release(mem_handle h) {
   g.lock();
   m.created_bytes -= m.handles[h].accounted;
   m.handles.erase(h);
+  if (m.opt.reuse_handles) m.released_values.push_back(h);
   m.end(c.id);
   return {};
 }
@@ -514,7 +524,7 @@ result<mem_handle> host_backend::import_handle(const shareable_handle& s) {
   if (status u = p_->unsafe("cuMemImportFromShareableHandle"); !u.ok()) return {{}, u};
   int fd = ::fcntl(s.fd, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) return {0, errno_status(errno, "dup")};
-  const mem_handle h = p_->next_handle++;
+  const mem_handle h = p_->new_handle();
   p_->handles[h] = {fd, static_cast<std::size_t>(st.st_size), 0};  // imported memory is the exporter's
   return {h, {}};
 }

@@ -322,6 +322,7 @@ void run_stress(bool limited) {
   const std::size_t ipc_limit = limited ? 24 * MiB : std::numeric_limits<std::size_t>::max();
   host_backend_options h;
   h.device_count = 2;  // the owner and one peer for grant/revoke
+  h.reuse_handles = true;  // as the driver: a stale handle value names a newer handle
   auto b = make_backend<host_backend>(h);
   host_backend* hb = backend_cast<host_backend>(*b);
   allocator a(std::move(b), stress_options(limit));

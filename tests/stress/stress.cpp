@@ -263,6 +263,7 @@ int main(int argc, char** argv) {
   }
   host_backend_options h;
   h.physical_limit = std::size_t{1} << 40;  // simulated; memfd pages cost only when touched
+  h.reuse_handles = true;  // as the driver: a stale handle value names a newer handle
   auto st = std::make_shared<fault_state>();
 
   auto t0 = std::chrono::steady_clock::now();

@@ -471,11 +471,13 @@ int main(int argc, char** argv) {
   cfg.max_tokens = sh.max_tokens;
   vmm::host_backend_options hopt;
   if (o.quick) hopt.granularity = 64 * KiB;  // 512 tokens a page of the quick shape: pages still turn over
-  auto make_kv = [&](std::size_t ahead_pages, std::size_t ahead_tokens = 0, bool retain = false) {
+  auto make_kv = [&](std::size_t ahead_pages, std::size_t ahead_tokens = 0, bool retain = false,
+                     vmm::kv_layout layout = vmm::kv_layout::per_layer) {
     auto c = cfg;
     c.map_ahead_pages = ahead_pages;
     c.map_ahead_tokens = ahead_tokens;
     c.retain_closed = retain;
+    c.layout = layout;
     return on_gpu ? vmm::kv_cache::cuda(c) : vmm::kv_cache::host(c, hopt);
   };
 
@@ -514,6 +516,19 @@ int main(int argc, char** argv) {
   if (o.model_us > 0)
     attempt(retain_model.c_str(),
             [&] { return std::make_unique<vmm_scheme>(make_kv(0, o.ahead_tokens, true), retain_model); }, o.model_us);
+  // per_sequence: one buffer per sequence, at most one partly filled page each; map-ahead of one
+  // page's tokens keeps the decode path free of driver calls.
+  const auto per_seq = vmm::kv_layout::per_sequence;
+  const std::size_t page_tokens = (on_gpu ? 2 * MiB : hopt.granularity) / sh.all_bytes();
+  attempt("vmmalloc kv_cache, per_sequence", [&] {
+    return std::make_unique<vmm_scheme>(make_kv(0, 0, false, per_seq), "vmmalloc kv_cache, per_sequence");
+  });
+  const std::string seq_model = "vmmalloc kv_cache, per_sequence + map-ahead " + std::to_string(page_tokens) +
+                                " tokens, " + std::to_string(o.model_us) + " µs model time/step";
+  if (o.model_us > 0)
+    attempt(seq_model.c_str(),
+            [&] { return std::make_unique<vmm_scheme>(make_kv(0, page_tokens, false, per_seq), seq_model); },
+            o.model_us);
   if (on_gpu || o.quick) {
     auto mem = [&] { return on_gpu ? vmm::replay::make_cuda_malloc(0) : vmm::replay::make_malloc(); };
     attempt("block table", [&] { return std::make_unique<block_scheme>(mem(), sh, slots); });
@@ -555,8 +570,34 @@ int main(int argc, char** argv) {
               results.empty() ? 0 : results.front().opened, o.steps);
   for (const auto& r : results)
     if (r.name.find("map-ahead") != std::string::npos && r.ok)
-      std::printf("\nWith %s: %.3f driver calls per decode step on the append path, %.3f per step by the "
-                  "thread.\n", r.name.c_str() + std::strlen("vmmalloc kv_cache + "), r.decode_calls_per_step,
+      std::printf("\n%s: %.3f driver calls per decode step on the append path, %.3f per step by the "
+                  "thread.\n", r.name.c_str(), r.decode_calls_per_step,
                   r.thread_calls_per_step);
+
+  // ---- shared prefixes: N sequences that start with one 2,000-token prompt ----
+  std::printf("\n### One prompt shared by N sequences\n\n");
+  std::printf("Each sequence holds the %zu-token prompt: N copies (prefill each), or one prefill and N - 1 "
+              "share_prefix() (the prompt's whole pages mapped again, read-only; the rest copied). Physical "
+              "pages of the per_sequence layout, %s.\n\n",
+              std::min<std::size_t>(2000, sh.max_tokens), dev.c_str());
+  std::printf("| N | copies: pages | shared: pages | shared / copies | driver calls to share one |\n|---|---|---|---|---|\n");
+  const std::size_t prompt = std::min<std::size_t>(2000, sh.max_tokens);
+  for (std::size_t n : {std::size_t{2}, std::size_t{8}, std::size_t{32}, slots}) {
+    try {
+      auto kv = make_kv(0, 0, false, per_seq);
+      const auto src = kv.open();
+      kv.append(src, prompt);
+      const std::size_t one = kv.stats().pages_mapped;
+      const auto before = kv.stats().driver_calls;
+      for (std::size_t i = 1; i < n; ++i) (void)kv.share_prefix(src, prompt);
+      const auto st = kv.stats();
+      std::printf("| %zu | %zu | %zu | %.3f | %.1f |\n", n, n * one, st.pages_mapped,
+                  static_cast<double>(st.pages_mapped) / static_cast<double>(n * one),
+                  n > 1 ? static_cast<double>(st.driver_calls - before) / static_cast<double>(n - 1) : 0.0);
+    } catch (const std::exception& e) {
+      std::printf("| %zu | FAILED: %s | | | |\n", n, e.what());
+      ++failures;
+    }
+  }
   return failures ? 1 : 0;
 }

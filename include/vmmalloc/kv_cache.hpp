@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// vmm::kv_cache: a paged KV cache whose sequences stay virtually contiguous (vAttention's layout).
+// vmm::kv_cache: a paged KV cache whose sequences stay virtually contiguous (vAttention's idea).
 //
 //   vmm::kv_cache_config c;
 //   c.layers = 32; c.kv_heads = 8; c.head_dim = 128; c.elem_bytes = 2;   // 2 KiB per token per K|V
@@ -23,11 +23,22 @@
 // and V out in its tokens (kv_heads counts both), so each sequence rounds up one buffer per layer
 // to a page instead of two. "2 * layers buffers" below is then "layers buffers".
 //
+// layout = per_sequence (for serving many sequences): one buffer per sequence, a token's K and V
+// of every layer side by side. R = token_stride() = 2 * layers * T (fused_kv: layers * T):
+//   S = round_up(max_tokens * R, P),  k(s, l) = base() + s * S + 2 l T,  v(s, l) = k(s, l) + T
+//   token t at + t * R;  reserved() = max_seqs * S
+// A sequence then wastes at most one partly filled page (per_layer: one per buffer, 2 * layers),
+// and a page holds P / R tokens (16 for 32 layers x 8 heads x 128 dims in bf16). k_base(l) is the
+// same [max_seqs][max_tokens][kv_heads][head_dim] tensor with strides S, R, head_dim * elem, elem:
+// the last dimension contiguous, as attention kernels and torch's as_strided views take it. In
+// both layouts k(s, l) = base() + l * layer_stride() + s * S, v = k + kv_stride(), token t at
+// + t * token_stride(); "buffers" below are then 1 per sequence.
+//
 // Contract:
 //  * Pages: sequence s "has m pages" = page p in [0, m) is mapped in each of the 2 * layers buffers
 //    (2 * layers physical pages of P bytes, one handle each: cuMemMap takes no offset into a
 //    handle, so a page is one handle, one map). A sequence with n tokens needs pages_for(n) =
-//    ceil(n * T / P) pages; appending maps the missing pages, 2 * layers * k maps plus 2 * layers
+//    ceil(n * R / P) pages (R = T per_layer); appending maps the missing pages, 2 * layers * k maps plus 2 * layers
 //    set_access calls for k pages (one set_access per buffer covers the k adjacent pages).
 //  * Retain (retain_closed): close() leaves the pages mapped; open() picks the closed slot with
 //    the most of them; a mapping that finds the pool short first unmaps retained pages of other
@@ -44,10 +55,20 @@
 //    extra page per buffer per sequence all the time; t (e.g. 128) maps the next page only when a
 //    sequence is within t tokens of its end, which holds far less for the same effect when the
 //    thread has t decode steps of time to map (2 * layers pages: ~2-4 ms on an H100 for 64).
-//    It maps with the lock released (append, k(), length() do not wait for the driver); the slot
+//    An append that has to map anyway (a prefill past the mapped pages) maps up to that target
+//    too, so the thread never races the first decode steps after it. It maps with the lock released (append, k(), length() do not wait for the driver); the slot
 //    it works on is marked busy, and close/truncate/append-that-needs-pages on that slot wait
 //    for it. A thread failure (e.g. out of memory) is counted and parked: the next append that
 //    needs the page maps it itself and throws the error.
+//  * Shared prefixes (share_prefix(src, n)): a new sequence of n tokens whose first pages are
+//    src's pages mapped a second time (same handles, no create, no copy), read-only for every
+//    device: the whole pages of its first n tokens that end on a token boundary, shared_tokens()
+//    tokens (a multiple of lcm(P, R) / R: 16 tokens for R = 128 KiB, 32 for 80 layers' 320 KiB). The caller copies tokens [shared_tokens(), n) from src (they sit in pages of the new
+//    sequence's own). A page returns to the pool only with its last mapping: closing or
+//    truncating either sequence never frees a page the other maps. A truncate() that would leave
+//    a shared page to take new tokens is refused (either sequence: they would land in the
+//    other's); close() of a sequence with shared pages unmaps them even with retain_closed.
+//    stats().pages_mapped counts physical pages once.
 //  * Errors leave state intact: append past max_tokens or out of physical memory throws
 //    vmm::out_of_memory, open() with every slot open throws vmm::out_of_memory, an unknown or
 //    closed sequence throws vmm::error (errc::invalid_value). A failed append maps nothing new:
@@ -78,6 +99,10 @@
 
 namespace vmm {
 
+// per_layer: a buffer per (layer, K|V), each sequence's tokens of one layer contiguous.
+// per_sequence: one buffer per sequence (see Layout): at most one partly filled page each.
+enum class kv_layout : std::uint8_t { per_layer, per_sequence };
+
 struct kv_cache_config {
   std::size_t layers = 0;
   std::size_t kv_heads = 0;
@@ -99,6 +124,7 @@ struct kv_cache_config {
   // One buffer per layer holding K and V as the caller lays them out (see Layout): half the
   // buffers, so half the page rounding per sequence. v() and v_base() are then refused.
   bool fused_kv = false;
+  kv_layout layout = kv_layout::per_layer;
 };
 
 using seq_id = std::size_t;  // a slot: the sequence's row in k_base(l) / v_base(l)
@@ -108,7 +134,8 @@ struct kv_cache_stats {
   std::uint64_t pages_created = 0;    // cuMemCreate that succeeded
   std::uint64_t pages_reused = 0;     // mappings of a pooled handle (no create)
   std::uint64_t pages_released = 0;   // cuMemRelease that succeeded (trim, rollback, teardown)
-  std::size_t pages_mapped = 0;       // now, over all sequences and buffers
+  std::size_t pages_mapped = 0;       // now, over all sequences and buffers; a shared page once
+  std::size_t pages_aliased = 0;      // now: mappings of a page another sequence maps (share_prefix)
   std::size_t pages_pooled = 0;       // now: created, unmapped, kept for reuse
   std::size_t mapped_bytes = 0;       // pages_mapped * page_size
   std::size_t used_bytes = 0;         // sum of tokens * token_bytes * buffers (2 * layers, fused_kv: layers)
@@ -155,6 +182,12 @@ class kv_cache {
   void truncate(seq_id s, std::size_t n);
   // Unmaps every page of s into the pool; the slot becomes free.
   void close(seq_id s);
+  // Opens a sequence of `tokens` tokens (<= src's length) in the lowest free slot whose first
+  // shared_tokens() tokens are src's pages mapped again, read-only (see the contract); maps its
+  // own pages for the rest. Throws error for a closed src or tokens past its length,
+  // out_of_memory for no free slot or memory; on failure nothing stays mapped or open.
+  seq_id share_prefix(seq_id src, std::size_t tokens);
+  std::size_t shared_tokens(seq_id s) const;  // tokens of s in pages it shares (0: none)
   // Releases pooled pages beyond keep (default: config's pool_keep_pages); returns how many.
   std::size_t trim();
   std::size_t trim(std::size_t keep_pages);
@@ -172,12 +205,15 @@ class kv_cache {
   void* v_base(std::size_t layer) const;
 
   void* base() const noexcept;
-  std::size_t reserved() const noexcept;       // 2 * layers * buffer_stride()
+  std::size_t reserved() const noexcept;       // 2 * layers * buffer_stride() (per_sequence: B)
   std::size_t token_bytes() const noexcept;    // T
   std::size_t seq_stride() const noexcept;     // S
   std::size_t buffer_stride() const noexcept;  // B
   std::size_t page_size() const noexcept;      // P
-  std::size_t tokens_per_page() const noexcept;  // P / T (rounded down; 0 when T > P)
+  std::size_t tokens_per_page() const noexcept;  // P / R (rounded down; 0 when R > P)
+  std::size_t token_stride() const noexcept;   // R: T, or per_sequence every buffer's T
+  std::size_t layer_stride() const noexcept;   // k(s, l + 1) - k(s, l)
+  std::size_t kv_stride() const noexcept;      // v(s, l) - k(s, l)
   std::size_t max_pages() const noexcept;      // S / P
   std::size_t pages_for(std::size_t tokens) const noexcept;
   std::size_t granularity() const noexcept;

@@ -247,7 +247,11 @@ typedef struct vmm_kv_config {
   size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */
   int fused_kv;               /* nonzero: one buffer per layer (k = base + l B + s S; no V: the
                                  caller lays K and V out in it): half the page rounding */
+  int layout;                 /* VMM_KV_PER_LAYER (0) or VMM_KV_PER_SEQUENCE: one buffer per
+                                 sequence, a token's K and V of every layer side by side */
 } vmm_kv_config;
+
+enum { VMM_KV_PER_LAYER = 0, VMM_KV_PER_SEQUENCE = 1 };
 
 typedef struct vmm_kv_layout {
   void* base;                 /* the reservation; k(s, l) = base + 2 l B + s S (fused_kv: l B) */
@@ -257,6 +261,10 @@ typedef struct vmm_kv_layout {
   size_t buffer_stride;       /* B: max_seqs x S */
   size_t page_size, tokens_per_page, max_pages, granularity;
   size_t layers, kv_heads, head_dim, elem_bytes, max_seqs, max_tokens; /* as configured */
+  /* Either layout: k(s, l) = base + l layer_stride + s seq_stride, v = k + kv_stride, token t at
+     + t token_stride (per_layer: token_bytes; per_sequence: every layer's K and V of a token) */
+  size_t token_stride, layer_stride, kv_stride;
+  int layout;
 } vmm_kv_layout;
 
 typedef struct vmm_kv_seq_info {
@@ -264,6 +272,7 @@ typedef struct vmm_kv_seq_info {
   size_t length;              /* tokens */
   size_t mapped_pages;        /* per buffer (the sequence holds 2 x layers x this) */
   size_t capacity;            /* tokens the mapped pages hold */
+  size_t shared_tokens;       /* tokens in pages shared with another sequence (vmm_kv_share_prefix) */
 } vmm_kv_seq_info;
 
 typedef struct vmm_kv_stats {
@@ -275,6 +284,7 @@ typedef struct vmm_kv_stats {
   uint64_t pages_retained_reused, pages_reclaimed;
   /* host backend only (0 on CUDA): the backend's live objects, for leak checks */
   size_t live_handles, live_mappings, live_reservations;
+  size_t pages_aliased; /* mappings of a page another sequence maps too (pages_mapped counts it once) */
 } vmm_kv_stats;
 
 #define VMM_KV_KEEP_DEFAULT ((size_t)-1) /* vmm_kv_trim: keep the config's pool_keep_pages */
@@ -288,6 +298,10 @@ vmm_status vmm_kv_open_slot(vmm_kv_cache* kv, size_t slot);  /* that slot, which
 vmm_status vmm_kv_append(vmm_kv_cache* kv, size_t seq, size_t n, size_t* old_length);
 vmm_status vmm_kv_truncate(vmm_kv_cache* kv, size_t seq, size_t n); /* n <= length */
 vmm_status vmm_kv_close(vmm_kv_cache* kv, size_t seq);
+/* A new sequence (lowest free slot, in *seq) of `tokens` tokens of src (<= its length): src's whole
+ * pages of them mapped again read-only, no copy; the caller copies tokens [shared_tokens, tokens)
+ * (vmm_kv_get_seq) from src. */
+vmm_status vmm_kv_share_prefix(vmm_kv_cache* kv, size_t src, size_t tokens, size_t* seq);
 /* Releases pooled pages beyond keep_pages; *released (may be NULL) gets how many. */
 vmm_status vmm_kv_trim(vmm_kv_cache* kv, size_t keep_pages, size_t* released);
 vmm_status vmm_kv_wait_map_ahead(vmm_kv_cache* kv);

@@ -133,17 +133,19 @@ class KVConfig(ctypes.Structure):
                 ("max_tokens", c_size_t), ("page_size", c_size_t), ("map_ahead_pages", c_size_t),
                 ("map_ahead_tokens", c_size_t), ("pool_keep_pages", c_size_t), ("retain_closed", c_int),
                 ("peers", ctypes.POINTER(c_int)), ("peer_count", c_size_t), ("host_granularity", c_size_t),
-                ("host_physical_limit", c_size_t), ("fused_kv", c_int)]
+                ("host_physical_limit", c_size_t), ("fused_kv", c_int), ("layout", c_int)]
 
 
 class KVLayout(ctypes.Structure):
     _fields_ = [("base", c_void_p)] + [(n, c_size_t) for n in (
         "reserved", "token_bytes", "seq_stride", "buffer_stride", "page_size", "tokens_per_page", "max_pages",
-        "granularity", "layers", "kv_heads", "head_dim", "elem_bytes", "max_seqs", "max_tokens")]
+        "granularity", "layers", "kv_heads", "head_dim", "elem_bytes", "max_seqs", "max_tokens",
+        "token_stride", "layer_stride", "kv_stride")] + [("layout", c_int)]
 
 
 class KVSeqInfo(ctypes.Structure):
-    _fields_ = [("open", c_int), ("length", c_size_t), ("mapped_pages", c_size_t), ("capacity", c_size_t)]
+    _fields_ = [("open", c_int), ("length", c_size_t), ("mapped_pages", c_size_t), ("capacity", c_size_t),
+                ("shared_tokens", c_size_t)]
 
 
 class KVStats(ctypes.Structure):
@@ -153,7 +155,8 @@ class KVStats(ctypes.Structure):
                 ("append_driver_calls", c_u64), ("map_ahead_driver_calls", c_u64), ("map_ahead_pages", c_u64),
                 ("map_ahead_failures", c_u64), ("append_waits", c_u64), ("failures", c_u64),
                 ("pages_retained", c_size_t), ("pages_retained_reused", c_u64), ("pages_reclaimed", c_u64),
-                ("live_handles", c_size_t), ("live_mappings", c_size_t), ("live_reservations", c_size_t)]
+                ("live_handles", c_size_t), ("live_mappings", c_size_t), ("live_reservations", c_size_t),
+                ("pages_aliased", c_size_t)]
 
 
 def struct_dict(s):
@@ -190,6 +193,7 @@ def _bind(lib):
         "vmm_kv_append": (st, [c_void_p, c_size_t, c_size_t, P(c_size_t)]),
         "vmm_kv_truncate": (st, [c_void_p, c_size_t, c_size_t]),
         "vmm_kv_close": (st, [c_void_p, c_size_t]),
+        "vmm_kv_share_prefix": (st, [c_void_p, c_size_t, c_size_t, P(c_size_t)]),
         "vmm_kv_trim": (st, [c_void_p, c_size_t, P(c_size_t)]),
         "vmm_kv_wait_map_ahead": (st, [c_void_p]),
         "vmm_kv_k": (st, [c_void_p, c_size_t, c_size_t, P(c_void_p)]),

@@ -9,10 +9,16 @@
     kv.close(s)                         # the pages go to a pool (or stay mapped: retain_closed)
 
 Layout (kv_cache.hpp): one reservation; T = token_bytes = kv_heads * head_dim * elem_bytes,
-S = seq_stride, B = buffer_stride = max_seqs * S. Token t of sequence s, layer l:
-K at base + 2l*B + s*S + t*T, V at base + (2l+1)*B + s*S + t*T. base_tensor() is that whole
-layout as one torch tensor [layers, 2, max_seqs, max_tokens, kv_heads, head_dim]: only the bytes of
-appended tokens are mapped, so only those may be read or written.
+S = seq_stride. Token t of sequence s, layer l: K at base + l*layer_stride + s*S + t*token_stride,
+V kv_stride further. layout="per_layer": a buffer per (layer, K|V) (token_stride T, layer_stride
+2B, kv_stride B, B = buffer_stride = max_seqs * S); layout="per_sequence": one buffer per sequence,
+a token's K and V of every layer side by side (token_stride 2 * layers * T, layer_stride 2T,
+kv_stride T), so a sequence wastes at most one partly filled page. base_tensor() is the whole
+layout as one torch tensor [layers, 2, max_seqs, max_tokens, kv_heads, head_dim] (the last
+dimension contiguous): only the bytes of appended tokens are mapped, so only those may be touched.
+
+share_prefix(src, n) opens a sequence whose first n tokens are src's: its whole pages are mapped
+again (read-only, no copy), and the tokens past shared_tokens are copied by copy_prefix().
 
 Errors carry the C++ messages: OutOfMemoryError past max_tokens, past physical memory or with every
 slot open; InvalidValueError for an unknown or closed sequence, or a wrong dtype or shape.
@@ -43,13 +49,15 @@ class KVCache(Owner):
     retain_closed: close() keeps a slot's pages mapped for the next open() of it.
     pool_keep_pages: what trim() keeps. peers: devices granted read-write access too.
     fused_kv: one buffer per layer (no V: the caller lays K and V out in each token, kv_heads
-    counting both), so a sequence rounds up half as many buffers to a page."""
+    counting both), so a sequence rounds up half as many buffers to a page. layout: "per_layer"
+    (default) or "per_sequence" (one buffer per sequence: at most one partly filled page each)."""
 
     _gone = "the cache was destroyed"
 
     def __init__(self, layers, kv_heads, head_dim, max_seqs, max_tokens, elem_bytes=None, dtype=None,
                  backend="cuda", device=0, page_size=0, map_ahead_pages=0, map_ahead_tokens=0, pool_keep_pages=0,
-                 retain_closed=False, peers=(), host_granularity=0, host_physical_limit=0, fused_kv=False):
+                 retain_closed=False, peers=(), host_granularity=0, host_physical_limit=0, fused_kv=False,
+                 layout="per_layer"):
         if dtype is not None:
             size = _itemsize(dtype)
             if elem_bytes is not None and int(elem_bytes) != size:
@@ -69,6 +77,10 @@ class KVCache(Owner):
             c.elem_bytes = _size(elem_bytes, "elem_bytes")
         c.retain_closed = 1 if retain_closed else 0
         c.fused_kv = 1 if fused_kv else 0
+        layouts = {"per_layer": 0, "per_sequence": 1}
+        if layout not in layouts:
+            raise _invalid("vmmalloc.KVCache: layout must be \"per_layer\" or \"per_sequence\", not %r" % (layout,))
+        c.layout = layouts[layout]
         self.fused_kv = bool(fused_kv)
         self._nkv = 1 if fused_kv else 2  # buffers per layer
         arr, n = int_array(peers)
@@ -85,8 +97,10 @@ class KVCache(Owner):
         check(lib.vmm_kv_get_layout(out.value, ctypes.byref(lay)))
         self.layout = struct_dict(lay)  # fixed for the cache's life
         for k in ("layers", "kv_heads", "head_dim", "elem_bytes", "max_seqs", "max_tokens", "token_bytes",
-                  "seq_stride", "buffer_stride", "page_size", "reserved"):
+                  "seq_stride", "buffer_stride", "page_size", "reserved", "token_stride", "layer_stride",
+                  "kv_stride"):
             setattr(self, k, self.layout[k])
+        self.layout_kind = layout
         self._bytes = None  # torch.uint8 over the whole reservation, made on first use
         self._flat = {}     # dtype -> 1-D typed view of it
 
@@ -132,6 +146,36 @@ class KVCache(Owner):
         """Ends seq; its slot becomes free (pages pooled, or kept mapped with retain_closed)."""
         check(self._lib.vmm_kv_close(self._ptr("close"), _size(seq, "seq")))
 
+    def share_prefix(self, src, tokens):
+        """Opens a sequence of `tokens` tokens of src (<= its length) in the lowest free slot: src's
+        whole pages of them are mapped again, read-only, with no copy; tokens [shared_tokens,
+        tokens) (seq_info) sit in its own pages, for copy_prefix() or the caller to fill. Closing
+        or truncating either never frees a page the other maps. Returns the new slot."""
+        out = ctypes.c_size_t()
+        check(self._lib.vmm_kv_share_prefix(self._ptr("share_prefix"), _size(src, "src"), _size(tokens, "tokens"),
+                                            ctypes.byref(out)))
+        return out.value
+
+    def copy_prefix(self, src, dst):
+        """Copies the tokens of dst (made by share_prefix(src, n)) that are not shared, from src, in
+        every layer's K and V (torch; on the host backend, memmove). Returns how many."""
+        info = self.seq_info(dst)
+        first, n = info["shared_tokens"], self.length(dst, "copy_prefix")
+        if n > self.length(src, "copy_prefix"):
+            raise _invalid("vmmalloc.KVCache.copy_prefix: sequence %d has %d tokens, more than %d's" % (dst, n, src))
+        if first == n:
+            return 0
+        if self.backend == "host":
+            for layer in range(self.layers):
+                for kind in (("k",) if self.fused_kv else ("k", "v")):
+                    a, b = self._kv_ptr(src, layer, kind, "copy_prefix"), self._kv_ptr(dst, layer, kind, "copy_prefix")
+                    for t in range(first, n):
+                        ctypes.memmove(b + t * self.token_stride, a + t * self.token_stride, self.token_bytes)
+            return n - first
+        base = self.base_tensor()
+        base[:, :, dst, first:n].copy_(base[:, :, src, first:n])
+        return n - first
+
     def trim(self, keep_pages=None):
         """Releases pooled pages beyond keep_pages (None: the config's pool_keep_pages); with
         retain_closed, closed slots' pages first go to the pool. Returns how many were released."""
@@ -169,8 +213,8 @@ class KVCache(Owner):
         return struct_dict(s)
 
     def pages_for(self, tokens):
-        """Pages (per buffer) that `tokens` tokens need: ceil(tokens * token_bytes / page_size)."""
-        return (int(tokens) * self.token_bytes + self.page_size - 1) // self.page_size
+        """Pages (per buffer) that `tokens` tokens need: ceil(tokens * token_stride / page_size)."""
+        return (int(tokens) * self.token_stride + self.page_size - 1) // self.page_size
 
     # ---- addresses -------------------------------------------------------------------------
 
@@ -213,8 +257,8 @@ class KVCache(Owner):
     def strides(self):
         """Element strides (layer, K|V, seq, token, head, dim) of base_tensor()."""
         e = self.elem_bytes
-        return (self._nkv * self.buffer_stride // e, self.buffer_stride // e, self.seq_stride // e,
-                self.kv_heads * self.head_dim, self.head_dim, 1)
+        return (self.layer_stride // e, self.kv_stride // e, self.seq_stride // e, self.token_stride // e,
+                self.head_dim, 1)
 
     def base_tensor(self, dtype=None):
         """[layers, 2, max_seqs, max_tokens, kv_heads, head_dim] over the whole layout (index 0 of
@@ -254,6 +298,9 @@ class KVCache(Owner):
         [length, kv_heads, head_dim]."""
         if self.backend != "host":
             raise _invalid("vmmalloc.KVCache.memoryview: CUDA memory; use k() / v() (torch)")
+        if self.token_stride != self.token_bytes:
+            raise _invalid("vmmalloc.KVCache.memoryview: layout=\"per_sequence\": a layer's tokens are strided; "
+                           "use k() / v() (torch) or store()")
         n = self.length(seq, "memoryview")
         ptr = self._kv_ptr(seq, layer, kind, "memoryview")
         nbytes = n * self.token_bytes
@@ -324,8 +371,14 @@ class KVCache(Owner):
         self._check_range(seq, start, n, length)
         if self.backend != "host":
             raise _invalid("vmmalloc.KVCache.store: CUDA memory; give torch tensors")
-        ptr = self._kv_ptr(seq, layer, kind, what) + start * self.token_bytes
-        ctypes.memmove(ptr, bytes(mv.cast("B")), mv.nbytes)
+        ptr = self._kv_ptr(seq, layer, kind, what) + start * self.token_stride
+        data = bytes(mv.cast("B"))
+        if self.token_stride == self.token_bytes:
+            ctypes.memmove(ptr, data, mv.nbytes)
+        else:  # per_sequence: token by token
+            T = self.token_bytes
+            for i in range(n):
+                ctypes.memmove(ptr + i * self.token_stride, data[i * T:(i + 1) * T], T)
         return n
 
     def _check_range(self, seq, start, n, length):

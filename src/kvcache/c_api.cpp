@@ -58,6 +58,11 @@ vmm_status vmm_kv_create(const vmm_kv_config* c, vmm_kv_cache** out) {
     k.pool_keep_pages = c->pool_keep_pages;
     k.retain_closed = c->retain_closed != 0;
     k.fused_kv = c->fused_kv != 0;
+    if (c->layout != VMM_KV_PER_LAYER && c->layout != VMM_KV_PER_SEQUENCE)
+      throw vmm::error({vmm::errc::invalid_value, 0, "unknown layout", "kv_cache"},
+                       "vmm_kv_create: layout " + std::to_string(c->layout) +
+                           " is neither VMM_KV_PER_LAYER nor VMM_KV_PER_SEQUENCE");
+    k.layout = c->layout == VMM_KV_PER_SEQUENCE ? vmm::kv_layout::per_sequence : vmm::kv_layout::per_layer;
     if (backend == VMM_BACKEND_HOST) {
       vmm::host_backend_options h;
       if (c->host_granularity) h.granularity = c->host_granularity;
@@ -91,6 +96,10 @@ vmm_status vmm_kv_truncate(vmm_kv_cache* kv, size_t seq, size_t n) {
 }
 vmm_status vmm_kv_close(vmm_kv_cache* kv, size_t seq) {
   return with(kv, "vmm_kv_close", [&](vmm::kv_cache& k) { k.close(seq); });
+}
+vmm_status vmm_kv_share_prefix(vmm_kv_cache* kv, size_t src, size_t tokens, size_t* seq) {
+  if (!seq) return invalid("vmm_kv_share_prefix: seq is NULL");
+  return with(kv, "vmm_kv_share_prefix", [&](vmm::kv_cache& k) { *seq = k.share_prefix(src, tokens); });
 }
 vmm_status vmm_kv_trim(vmm_kv_cache* kv, size_t keep_pages, size_t* released) {
   return with(kv, "vmm_kv_trim", [&](vmm::kv_cache& k) {
@@ -126,6 +135,7 @@ vmm_status vmm_kv_get_seq(const vmm_kv_cache* kv, size_t seq, vmm_kv_seq_info* o
       i.length = k.length(seq);
       i.mapped_pages = k.mapped_pages(seq);
       i.capacity = k.capacity(seq);
+      i.shared_tokens = k.shared_tokens(seq);
     }
     *out = i;
   });
@@ -151,6 +161,10 @@ vmm_status vmm_kv_get_layout(const vmm_kv_cache* kv, vmm_kv_layout* out) {
     l.elem_bytes = c.elem_bytes;
     l.max_seqs = c.max_seqs;
     l.max_tokens = c.max_tokens;
+    l.token_stride = k.token_stride();
+    l.layer_stride = k.layer_stride();
+    l.kv_stride = k.kv_stride();
+    l.layout = c.layout == vmm::kv_layout::per_sequence ? VMM_KV_PER_SEQUENCE : VMM_KV_PER_LAYER;
     *out = l;
   });
 }
@@ -179,6 +193,7 @@ vmm_status vmm_kv_get_stats(const vmm_kv_cache* kv, vmm_kv_stats* out) {
     o.pages_retained = s.pages_retained;
     o.pages_retained_reused = s.pages_retained_reused;
     o.pages_reclaimed = s.pages_reclaimed;
+    o.pages_aliased = s.pages_aliased;
     if (auto* h = vmm::backend_cast<vmm::host_backend>(k.backend())) {
       o.live_handles = h->live_handles();
       o.live_mappings = h->live_mappings();

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// kv_cache: one reservation, per-(layer, K|V) buffers, pages mapped per sequence, a handle pool and
-// an optional map-ahead thread. See kv_cache.hpp for the layout and the contract.
+// kv_cache: one reservation, buffers per (layer, K|V) or per sequence, pages mapped per sequence
+// (shared between sequences for a common prefix), a handle pool and an optional map-ahead thread.
+// See kv_cache.hpp for the layout and the contract.
 #include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/kv_cache.hpp"
 
@@ -10,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 
 #include "vm/driver.hpp"
@@ -50,7 +52,12 @@ struct kv_cache::impl {
   kv_cache_config cfg;
   chunk_props props;
   std::vector<access_desc> access;  // owner + peers: one set_access per buffer per mapping round
-  std::size_t gran = 0, T = 0, P = 0, S = 0, B = 0, nbuf = 0, maxp = 0, reserved = 0;
+  // T: one token of one layer's K|V; R: bytes from one token to the next in a buffer (T, or every
+  // layer's K and V of a token per_sequence); nkv: K|V buffers of a sequence (2 L, fused_kv: L);
+  // nbuf: buffers mapped per sequence (nkv, per_sequence: 1); layer_str / kv_str: k(s, l) and v's
+  // offsets per layer and from K to V.
+  std::size_t gran = 0, T = 0, R = 0, P = 0, S = 0, B = 0, nkv = 0, nbuf = 0, maxp = 0, reserved = 0;
+  std::size_t layer_str = 0, kv_str = 0;
   std::uintptr_t base = 0;
 
   struct slot {
@@ -58,10 +65,15 @@ struct kv_cache::impl {
     bool busy = false;          // the map-ahead thread is mapping it (lock released)
     bool ahead_failed = false;  // the thread's last job here failed: not retried until things change
     std::size_t tokens = 0, mapped = 0;  // mapped: pages per buffer, a prefix [0, mapped)
+    std::size_t shared = 0;              // pages [0, shared) map another sequence's (share_prefix)
     std::vector<mem_handle> h;           // [buf * maxp + page]
   };
   std::vector<slot> slots;
   std::vector<mem_handle> pool;  // created, unmapped
+  // Pages mapped by more than one sequence: handle -> mappings beyond the first. An unmap of such
+  // a page only unmaps; the last mapping's unmap pools it.
+  std::unordered_map<mem_handle, std::size_t> aliases;
+  std::size_t alias_count = 0;  // sum of aliases
   vm::strays strays;             // refused rollback / unmap work, retried before the next mapping
 
   mutable std::mutex mu;
@@ -75,11 +87,20 @@ struct kv_cache::impl {
   std::uintptr_t va_of(std::size_t buf, std::size_t s, std::size_t p) const {
     return base + buf * B + s * S + p * P;
   }
-  std::size_t pages_for(std::size_t tokens) const { return (tokens * T + P - 1) / P; }
+  std::size_t pages_for(std::size_t tokens) const { return (tokens * R + P - 1) / P; }
+  // Drops one mapping of h from the alias count; true when another mapping still holds h.
+  bool unalias(mem_handle h) {
+    auto it = aliases.find(h);
+    if (it == aliases.end()) return false;
+    if (--it->second == 0) aliases.erase(it);
+    --alias_count;
+    return true;
+  }
   bool ahead() const { return cfg.map_ahead_pages || cfg.map_ahead_tokens; }
   // Pages the thread keeps a sequence at (without map-ahead: what its tokens need).
-  std::size_t target(const slot& sl) const {
-    const std::size_t t = sl.tokens + std::min(cfg.map_ahead_tokens, cfg.max_tokens - sl.tokens);
+  std::size_t target(const slot& sl) const { return target_for(sl.tokens); }
+  std::size_t target_for(std::size_t tokens) const {
+    const std::size_t t = tokens + std::min(cfg.map_ahead_tokens, cfg.max_tokens - tokens);
     return std::min(maxp, pages_for(t) + cfg.map_ahead_pages);
   }
   void account(const calls& c, std::uint64_t* path) {
@@ -216,15 +237,18 @@ struct kv_cache::impl {
       for (std::size_t buf = 0; buf < nbuf; ++buf) {
         const std::uintptr_t va = va_of(buf, s, p);
         const mem_handle h = sl.h[buf * maxp + p];
+        const bool held_elsewhere = unalias(h);  // another sequence maps it: only unmapped here
         status x = vm::driver::twice([&] { return d.unmap(va, P); });
         if (x.ok()) {
-          pool.push_back(h);
+          if (!held_elsewhere) pool.push_back(h);
         } else {
-          strays.add_mapping(va, P, h);
+          if (held_elsewhere) strays.add_unmap(va, P);
+          else strays.add_mapping(va, P, h);
           if (err.ok()) err = x;
         }
       }
     }
+    sl.shared = std::min(sl.shared, keep);
     if (sl.mapped > keep) {
       groups_mapped -= sl.mapped - keep;
       sl.mapped = keep;
@@ -302,7 +326,7 @@ struct kv_cache::impl {
                               ", layers " + std::to_string(cfg.layers) + ")");
     if (kv && cfg.fused_kv)
       bad("no V buffer", std::string("::") + what + ": fused_kv: the layer's one buffer holds K and V (use k)");
-    return reinterpret_cast<void*>(va_of((cfg.fused_kv ? 1 : 2) * layer + kv, s, 0));
+    return reinterpret_cast<void*>(base + layer * layer_str + kv * kv_str + s * S);
   }
 
   // Under the lock: opens slot s (checked).
@@ -319,6 +343,85 @@ struct kv_cache::impl {
     sl.tokens = 0;
     sl.ahead_failed = false;
     ++open_count;
+  }
+
+  // Under the lock: maps the missing pages for `need` pages of open slot s (append's path; the
+  // caller waited for the thread on s). Throws what the driver refused; nothing new stays mapped.
+  void grow_locked(seq_id s, std::size_t need, const char* what) {
+    slot& sl = slots[s];
+    if (need <= sl.mapped) return;
+    const std::string ctx = std::string("vmm::kv_cache::") + what + ": sequence " + std::to_string(s) +
+                            ", mapping pages " + std::to_string(sl.mapped) + ".." + std::to_string(need) + " (" +
+                            std::to_string(nbuf) + " buffers)";
+    if (!strays.empty()) {
+      calls c;
+      status x{};
+      {
+        counting k(c);
+        x = clean_strays();
+      }
+      account(c, &st.append_driver_calls);
+      if (!x.ok()) throw_status(x, ctx + ": undoing an earlier failed step");
+    }
+    job j = plan(s, sl.mapped, need, &st.append_driver_calls);
+    run(j);
+    commit(j, &st.append_driver_calls);
+    if (!j.st.ok()) {
+      if (ahead()) cv.notify_all();  // handles went back to the pool
+      throw_status(j.st, ctx);
+    }
+    sl.ahead_failed = false;
+  }
+
+  // Whether a page of sl from `from` on is mapped by another sequence too (it must not take new
+  // tokens: they would land in the other's).
+  bool aliased_from(const slot& sl, std::size_t from, std::size_t to) const {
+    for (std::size_t p = from; p < std::min(to, sl.mapped); ++p)
+      for (std::size_t buf = 0; buf < nbuf; ++buf)
+        if (aliases.count(sl.h[buf * maxp + p])) return true;
+    return false;
+  }
+
+  // Pages of a prefix of `tokens` tokens that end on a token boundary: what share_prefix maps
+  // again. Every token is then wholly in shared pages or wholly in the sequence's own.
+  std::size_t whole_pages(std::size_t tokens) const {
+    std::size_t k = tokens * R / P;
+    while (k && (k * P) % R) --k;
+    return k;
+  }
+
+  // Under the lock: maps src's pages [0, k) in every buffer of slot s again, read-only for every
+  // device. All or nothing; an unmap refused in the undo is parked (unmap only: src keeps h).
+  status alias_pages(std::size_t src, std::size_t s, std::size_t k) {
+    calls c;
+    counting kk(c);
+    std::vector<access_desc> ro = access;
+    for (auto& a : ro) a.mode = access_mode::read;
+    std::vector<std::uintptr_t> done;
+    status err{};
+    for (std::size_t buf = 0; buf < nbuf && err.ok(); ++buf) {
+      for (std::size_t p = 0; p < k && err.ok(); ++p) {
+        err = d.map(va_of(buf, s, p), P, slots[src].h[buf * maxp + p], 0);
+        if (err.ok()) done.push_back(va_of(buf, s, p));
+      }
+      if (err.ok() && k) err = d.set_access(va_of(buf, s, 0), k * P, ro);
+    }
+    if (!err.ok())
+      for (auto it = done.rbegin(); it != done.rend(); ++it)
+        if (!vm::driver::twice([&] { return d.unmap(*it, P); }).ok()) strays.add_unmap(*it, P);
+    account(c, &st.append_driver_calls);
+    if (!err.ok()) return err;
+    slot& sl = slots[s];
+    for (std::size_t buf = 0; buf < nbuf; ++buf)
+      for (std::size_t p = 0; p < k; ++p) {
+        const mem_handle h = slots[src].h[buf * maxp + p];
+        sl.h[buf * maxp + p] = h;
+        ++aliases[h];
+        ++alias_count;
+      }
+    sl.mapped = sl.shared = k;
+    groups_mapped += k;
+    return {};
   }
 
   void destroy() noexcept {
@@ -342,6 +445,7 @@ struct kv_cache::impl {
           for (std::size_t buf = 0; buf < nbuf; ++buf) {
             const mem_handle h = sl.h[buf * maxp + p];
             mapped |= !vm::driver::twice([&] { return d.unmap(va_of(buf, s, p), P); }).ok();
+            if (unalias(h)) continue;  // another sequence maps it: released with its last mapping
             if (vm::driver::twice([&] { return d.release(h); }).ok()) ++st.pages_released;
           }
         sl.mapped = 0;
@@ -393,19 +497,29 @@ kv_cache::kv_cache(std::unique_ptr<backend_iface> b, const kv_cache_config& c) {
     bad("page_size not a multiple of the granularity",
         ": page_size " + std::to_string(m.P) + " is not a multiple of the granularity " + std::to_string(m.gran));
 
-  // Geometry, overflow-checked: T, S = round_up(max_tokens * T, P), B = max_seqs * S, 2 L B.
-  std::size_t t1 = 0, t2 = 0, seq = 0, bufs = 0;
+  if (c.layout != kv_layout::per_layer && c.layout != kv_layout::per_sequence)
+    bad("unknown layout", ": config.layout is neither per_layer nor per_sequence");
+  const bool per_seq = c.layout == kv_layout::per_sequence;
+  // Geometry, overflow-checked: T; nkv = 2 L (fused_kv: L); R = T (per_sequence: nkv T);
+  // S = round_up(max_tokens * R, P); B = max_seqs * S; reserved = nkv B (per_sequence: B).
+  const std::size_t per_layer_bufs = c.fused_kv ? 1 : 2;
+  std::size_t t1 = 0, t2 = 0, seq = 0, bufs = 0, row = 0;
   bool over = __builtin_mul_overflow(c.kv_heads, c.head_dim, &t1) || __builtin_mul_overflow(t1, c.elem_bytes, &t2) ||
-              __builtin_mul_overflow(c.max_tokens, t2, &seq) || seq > SIZE_MAX - m.P ||
+              __builtin_mul_overflow(c.layers, per_layer_bufs, &bufs) ||
+              __builtin_mul_overflow(t2, per_seq ? bufs : std::size_t{1}, &row) ||
+              __builtin_mul_overflow(c.max_tokens, row, &seq) || seq > SIZE_MAX - m.P ||
               __builtin_mul_overflow(round_up(seq, m.P), c.max_seqs, &m.B) ||
-              __builtin_mul_overflow(c.layers, c.fused_kv ? std::size_t{1} : std::size_t{2}, &bufs) ||
-              __builtin_mul_overflow(bufs, m.B, &m.reserved);
+              __builtin_mul_overflow(per_seq ? std::size_t{1} : bufs, m.B, &m.reserved);
   if (over)
     throw out_of_memory(fail(errc::out_of_memory, "layout overflows"),
                         "vmm::kv_cache: the layout (2 x layers x max_seqs x max_tokens x token bytes) overflows");
   m.T = t2;
+  m.R = row;
   m.S = round_up(seq, m.P);
-  m.nbuf = bufs;
+  m.nkv = bufs;
+  m.nbuf = per_seq ? 1 : bufs;
+  m.layer_str = per_seq ? per_layer_bufs * m.T : per_layer_bufs * m.B;
+  m.kv_str = per_seq ? m.T : m.B;
   m.maxp = m.S / m.P;
   m.slots.resize(c.max_seqs);
 
@@ -485,29 +599,9 @@ std::size_t kv_cache::append(seq_id s, std::size_t n) {
     m.wait_not_busy(lk, s);
     sl = &m.open_slot(s, "append");  // a concurrent close is the caller's race; still checked
   }
-  if (need > sl->mapped) {
-    const std::string ctx = "vmm::kv_cache::append: sequence " + std::to_string(s) + ", mapping pages " +
-                            std::to_string(sl->mapped) + ".." + std::to_string(need) + " (" +
-                            std::to_string(m.nbuf) + " buffers)";
-    if (!m.strays.empty()) {
-      calls c;
-      status x{};
-      {
-        counting k(c);
-        x = m.clean_strays();
-      }
-      m.account(c, &m.st.append_driver_calls);
-      if (!x.ok()) throw_status(x, ctx + ": undoing an earlier failed step");
-    }
-    impl::job j = m.plan(s, sl->mapped, need, &m.st.append_driver_calls);
-    m.run(j);
-    m.commit(j, &m.st.append_driver_calls);
-    if (!j.st.ok()) {
-      if (m.ahead()) m.cv.notify_all();  // handles went back to the pool
-      throw_status(j.st, ctx);
-    }
-    sl->ahead_failed = false;
-  }
+  // An append that maps anyway (a prefill) maps the pages ahead too: the thread would otherwise
+  // race the next decode steps for them.
+  if (need > sl->mapped) m.grow_locked(s, m.ahead() ? std::max(need, m.target_for(old + n)) : need, "append");
   sl->tokens = old + n;
   m.tokens_used += n;
   ++m.st.appends;
@@ -518,6 +612,63 @@ std::size_t kv_cache::append(seq_id s, std::size_t n) {
   return old;
 }
 
+seq_id kv_cache::share_prefix(seq_id src, std::size_t tokens) {
+  impl& m = impl::live(p_);
+  std::unique_lock lk(m.mu);
+  const impl::slot& from = m.open_slot(src, "share_prefix");
+  if (tokens > from.tokens)
+    bad("prefix longer than the sequence", "::share_prefix: sequence " + std::to_string(src) + " has " +
+                                               std::to_string(from.tokens) + " tokens, not " + std::to_string(tokens));
+  // The lowest free slot with nothing mapped, else the lowest free one (retain_closed): what it
+  // keeps mapped is unmapped first, as a reclaim, since the shared pages map from page 0.
+  std::size_t s = m.slots.size();
+  for (std::size_t o = 0; o < m.slots.size(); ++o)
+    if (!m.slots[o].open && (s == m.slots.size() || (m.slots[s].mapped && !m.slots[o].mapped))) s = o;
+  if (s == m.slots.size())
+    throw out_of_memory(fail(errc::out_of_memory, "too many sequences"),
+                        "vmm::kv_cache::share_prefix: all " + std::to_string(m.slots.size()) +
+                            " sequence slots (max_seqs) are open");
+  impl::slot& sl = m.slots[s];
+  status err{};
+  if (sl.mapped) {
+    const std::size_t before = sl.mapped;
+    err = m.unmap_down_to(sl, s, 0, &m.st.append_driver_calls);
+    m.st.pages_reclaimed += (before - sl.mapped) * m.nbuf;
+  }
+  m.open_locked(lk, s);  // a closed slot is never busy: no wait, src is as checked
+  const std::size_t k = m.whole_pages(tokens);
+  if (err.ok()) err = m.alias_pages(src, s, k);
+  if (err.ok()) {
+    try {
+      m.grow_locked(s, m.pages_for(tokens), "share_prefix");
+    } catch (...) {
+      (void)m.unmap_down_to(sl, s, 0);
+      sl.open = false;
+      --m.open_count;
+      throw;
+    }
+  }
+  if (!err.ok()) {
+    (void)m.unmap_down_to(sl, s, 0);
+    sl.open = false;
+    --m.open_count;
+    throw_status(err, "vmm::kv_cache::share_prefix: mapping sequence " + std::to_string(src) + "'s first " +
+                          std::to_string(k) + " pages into slot " + std::to_string(s));
+  }
+  sl.tokens = tokens;
+  m.tokens_used += tokens;
+  const bool wake = m.ahead() && sl.mapped < m.target(sl);
+  lk.unlock();
+  if (wake) m.cv.notify_all();
+  return s;
+}
+
+std::size_t kv_cache::shared_tokens(seq_id s) const {
+  impl& m = impl::live(p_);
+  std::lock_guard g(m.mu);
+  return m.open_slot(s, "shared_tokens").shared * m.P / m.R;
+}
+
 void kv_cache::truncate(seq_id s, std::size_t n) {
   impl& m = impl::live(p_);
   std::unique_lock lk(m.mu);
@@ -526,9 +677,17 @@ void kv_cache::truncate(seq_id s, std::size_t n) {
     bad("truncate past the length", "::truncate: sequence " + std::to_string(s) + " has " +
                                         std::to_string(sl.tokens) + " tokens, cannot truncate to " + std::to_string(n));
   m.wait_not_busy(lk, s);  // the thread must not be mapping pages we are about to unmap
+  // The pages kept from the one token n lands in on would take new tokens: none may be shared.
+  impl::slot after = sl;
+  after.tokens = n;
+  const std::size_t keep = m.target(after);
+  if (n * m.R < sl.shared * m.P || m.aliased_from(sl, n * m.R / m.P, keep))
+    bad("truncate into shared pages",
+        "::truncate: sequence " + std::to_string(s) + " to " + std::to_string(n) +
+            " tokens: the page new tokens would go to is shared with another sequence (share_prefix); "
+            "truncate past the shared pages, or close");
   m.tokens_used -= sl.tokens - n;
   sl.tokens = n;
-  const std::size_t keep = m.target(sl);
   status err = sl.mapped > keep ? m.unmap_down_to(sl, s, keep) : status{};
   lk.unlock();
   m.cv.notify_all();
@@ -546,8 +705,10 @@ void kv_cache::close(seq_id s) {
   sl.tokens = 0;
   sl.open = false;
   --m.open_count;
-  // retain_closed: the pages stay mapped for the next open() (or a reclaim, or trim).
-  status err = m.cfg.retain_closed ? status{} : m.unmap_down_to(sl, s, 0);
+  // retain_closed: the pages stay mapped for the next open() (or a reclaim, or trim); not shared
+  // ones: they are read-only here, and the next sequence writes from its first token.
+  const bool keep = m.cfg.retain_closed && sl.shared == 0 && !m.aliased_from(sl, 0, sl.mapped);
+  status err = keep ? status{} : m.unmap_down_to(sl, s, 0);
   lk.unlock();
   m.cv.notify_all();
   if (!err.ok())
@@ -617,7 +778,7 @@ std::size_t kv_cache::mapped_pages(seq_id s) const {
 std::size_t kv_cache::capacity(seq_id s) const {
   impl& m = impl::live(p_);
   std::lock_guard g(m.mu);
-  return std::min(m.cfg.max_tokens, m.open_slot(s, "capacity").mapped * m.P / m.T);
+  return std::min(m.cfg.max_tokens, m.open_slot(s, "capacity").mapped * m.P / m.R);
 }
 
 void* kv_cache::k(seq_id s, std::size_t layer) const { return impl::live(p_).ptr_of(s, layer, 0, "k"); }
@@ -631,7 +792,10 @@ std::size_t kv_cache::token_bytes() const noexcept { return p_ ? p_->T : 0; }
 std::size_t kv_cache::seq_stride() const noexcept { return p_ ? p_->S : 0; }
 std::size_t kv_cache::buffer_stride() const noexcept { return p_ ? p_->B : 0; }
 std::size_t kv_cache::page_size() const noexcept { return p_ ? p_->P : 0; }
-std::size_t kv_cache::tokens_per_page() const noexcept { return p_ ? p_->P / p_->T : 0; }
+std::size_t kv_cache::tokens_per_page() const noexcept { return p_ ? p_->P / p_->R : 0; }
+std::size_t kv_cache::token_stride() const noexcept { return p_ ? p_->R : 0; }
+std::size_t kv_cache::layer_stride() const noexcept { return p_ ? p_->layer_str : 0; }
+std::size_t kv_cache::kv_stride() const noexcept { return p_ ? p_->kv_str : 0; }
 std::size_t kv_cache::max_pages() const noexcept { return p_ ? p_->maxp : 0; }
 std::size_t kv_cache::pages_for(std::size_t tokens) const noexcept { return p_ ? p_->pages_for(tokens) : 0; }
 std::size_t kv_cache::granularity() const noexcept { return p_ ? p_->gran : 0; }
@@ -645,12 +809,13 @@ kv_cache_stats kv_cache::stats() const {
   const impl& m = impl::live(p_);
   std::lock_guard g(m.mu);
   kv_cache_stats s = m.st;
-  s.pages_mapped = m.groups_mapped * m.nbuf;
+  s.pages_mapped = m.groups_mapped * m.nbuf - m.alias_count;
+  s.pages_aliased = m.alias_count;
   s.pages_pooled = m.pool.size();
   for (const auto& sl : m.slots)
     if (!sl.open) s.pages_retained += sl.mapped * m.nbuf;
   s.mapped_bytes = s.pages_mapped * m.P;
-  s.used_bytes = m.tokens_used * m.T * m.nbuf;
+  s.used_bytes = m.tokens_used * m.T * m.nkv;
   s.open_seqs = m.open_count;
   return s;
 }

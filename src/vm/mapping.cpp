@@ -12,9 +12,9 @@ status strays::retry(driver& d, std::size_t* released) {
       s = driver::twice([&] { return d.unmap(it->va, it->size); });
       if (s.ok()) it->mapped = false;
     }
-    if (s.ok()) s = driver::twice([&] { return d.release(it->h); });
+    if (s.ok() && it->h) s = driver::twice([&] { return d.release(it->h); });
     if (s.ok()) {
-      if (released) *released += it->size;
+      if (released && it->h) *released += it->size;
       it = v_.erase(it);
     } else {
       if (first.ok()) first = s;
@@ -26,7 +26,8 @@ status strays::retry(driver& d, std::size_t* released) {
 
 std::size_t strays::bytes() const noexcept {
   std::size_t n = 0;
-  for (const auto& e : v_) n += e.size;
+  for (const auto& e : v_)
+    if (e.h) n += e.size;
   return n;
 }
 

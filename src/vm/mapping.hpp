@@ -38,6 +38,8 @@ class strays {
   };
   void add_mapping(std::uintptr_t va, std::size_t size, mem_handle h) { v_.push_back({va, size, h, true}); }
   void add_handle(mem_handle h, std::size_t size) { v_.push_back({0, size, h, false}); }
+  // A mapping of a handle that another mapping still holds: only the unmap is owed (h == 0).
+  void add_unmap(std::uintptr_t va, std::size_t size) { v_.push_back({va, size, 0, true}); }
   // Moves another list's entries here (a job's undo work into its owner's list).
   void take(strays& o) {
     v_.insert(v_.end(), o.v_.begin(), o.v_.end());

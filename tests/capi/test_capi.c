@@ -156,6 +156,37 @@ static void kv_cases(void) {
   vmm_kv_destroy(NULL);
   CHECK(vmm_kv_open(NULL, &s) == VMM_ERROR_INVALID_VALUE && has("kv cache is NULL"), "%s", vmm_last_error());
 
+  /* per_sequence: one buffer per sequence (2 layers: R = 4 x 256 B, 2048 tokens a page), a shared
+     prefix mapped again. */
+  {
+    vmm_kv_config q = c;
+    q.layers = 2;
+    q.layout = 7;
+    CHECK(vmm_kv_create(&q, &kv) == VMM_ERROR_INVALID_VALUE && has("VMM_KV_PER_SEQUENCE"), "%s", vmm_last_error());
+    q.layout = VMM_KV_PER_SEQUENCE;
+    CHECK(vmm_kv_create(&q, &kv) == VMM_SUCCESS, "create per_sequence: %s", vmm_last_error());
+    CHECK(vmm_kv_get_layout(kv, &l) == VMM_SUCCESS && l.layout == VMM_KV_PER_SEQUENCE && l.token_stride == 4 * 256 &&
+              l.layer_stride == 2 * 256 && l.kv_stride == 256 && l.tokens_per_page == 2048,
+          "per_sequence layout: R %zu", l.token_stride);
+    size_t a = 9, b = 9;
+    CHECK(vmm_kv_open(kv, &a) == VMM_SUCCESS && vmm_kv_append(kv, a, 3000, NULL) == VMM_SUCCESS, "append");
+    CHECK(vmm_kv_k(kv, a, 1, &k) == VMM_SUCCESS && (char*)k == (char*)l.base + a * l.seq_stride + 2 * 256, "k(a, 1)");
+    memset((char*)k + 100 * l.token_stride, 0x5a, 256);
+    CHECK(vmm_kv_share_prefix(kv, a, 3001, &b) == VMM_ERROR_INVALID_VALUE && has("has 3000 tokens"), "%s",
+          vmm_last_error());
+    CHECK(vmm_kv_share_prefix(kv, a, 3000, NULL) == VMM_ERROR_INVALID_VALUE, "NULL seq");
+    CHECK(vmm_kv_share_prefix(kv, a, 3000, &b) == VMM_SUCCESS && b == 1, "share: %s", vmm_last_error());
+    CHECK(vmm_kv_get_seq(kv, b, &si) == VMM_SUCCESS && si.length == 3000 && si.shared_tokens == 2048,
+          "shared tokens %zu", si.shared_tokens);
+    void* kb = NULL;
+    CHECK(vmm_kv_k(kv, b, 1, &kb) == VMM_SUCCESS && ((unsigned char*)kb)[100 * l.token_stride] == 0x5a, "same bytes");
+    CHECK(vmm_kv_get_stats(kv, &st) == VMM_SUCCESS && st.pages_aliased == 1 && st.pages_mapped == 2 + 1 &&
+              st.live_mappings == 4,
+          "aliased %zu mapped %zu", st.pages_aliased, st.pages_mapped);
+    CHECK(vmm_kv_close(kv, a) == VMM_SUCCESS && ((unsigned char*)kb)[100 * l.token_stride] == 0x5a, "kept by b");
+    vmm_kv_destroy(kv);
+  }
+
   /* Physical memory: 6 pages fit, the 2nd page of a sequence needs 6 more: refused, rolled back. */
   c.host_physical_limit = 6 * 2 * MiB;
   CHECK(vmm_kv_create(&c, &kv) == VMM_SUCCESS, "limited: %s", vmm_last_error());

@@ -19,12 +19,12 @@ namespace kvtest {
 // Allocates the check counter and loads the kernels (self-test). Idempotent; after gpu::init().
 void init();
 
-// Writes tokens [t0, t1) of the region at p. Asynchronous on s.
+// Writes tokens [t0, t1) of the region at p, R bytes apart (0: T, packed). Asynchronous on s.
 void write_tokens(void* p, std::size_t T, std::size_t t0, std::size_t t1, std::uint64_t seed,
-                  cudaStream_t s = nullptr);
+                  cudaStream_t s = nullptr, std::size_t R = 0);
 // Counts wrong words among tokens [0, n) of the region at p. Synchronizes s.
 std::uint64_t check_tokens(const void* p, std::size_t T, std::size_t n, std::uint64_t seed,
-                           cudaStream_t s = nullptr);
+                           cudaStream_t s = nullptr, std::size_t R = 0);
 
 // One decode step's writes, addressed like an attention kernel: for each of `count` sequences,
 // token pos[i] of row slot[i] of the layer tensor at layer_base (row stride S bytes), tagged
@@ -36,6 +36,7 @@ struct step {
   std::size_t pos[max_step] = {};
   std::uint64_t seed[max_step] = {};
 };
-void write_step(void* layer_base, std::size_t S, std::size_t T, const step& st, cudaStream_t s = nullptr);
+void write_step(void* layer_base, std::size_t S, std::size_t T, const step& st, cudaStream_t s = nullptr,
+                std::size_t R = 0);
 
 }  // namespace kvtest

@@ -8,6 +8,9 @@
 //            sequence reuses the closed one's physical pages; cudaMemcpy both ways across a page
 //            boundary; closing and trim(0) give the device memory back (cudaMemGetInfo)
 //   ahead    with map-ahead, decode appends make no driver call; the data still checks
+//   serving  the per_sequence layout (strided tokens) with map-ahead, and a prompt shared by
+//            share_prefix: kernels read the shared pages at both sequences' addresses, write only
+//            their own, and the sharer's tokens survive the source's close
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -47,13 +50,13 @@ std::uint64_t seed_of(std::uint64_t tag, std::size_t b) { return tag * 1000 + b;
 // Writes tokens [t0, t1) of every buffer of s, tagged `tag`.
 void write(const vmm::kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t t0, std::size_t t1) {
   for (std::size_t b = 0; b < nbuf(kv); ++b)
-    kvtest::write_tokens(buf_ptr(kv, s, b), kv.token_bytes(), t0, t1, seed_of(tag, b));
+    kvtest::write_tokens(buf_ptr(kv, s, b), kv.token_bytes(), t0, t1, seed_of(tag, b), nullptr, kv.token_stride());
 }
 
 std::uint64_t check(const vmm::kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t n) {
   std::uint64_t bad = 0;
   for (std::size_t b = 0; b < nbuf(kv); ++b)
-    bad += kvtest::check_tokens(buf_ptr(kv, s, b), kv.token_bytes(), n, seed_of(tag, b));
+    bad += kvtest::check_tokens(buf_ptr(kv, s, b), kv.token_bytes(), n, seed_of(tag, b), nullptr, kv.token_stride());
   return bad;
 }
 
@@ -75,7 +78,7 @@ void decode_step(vmm::kv_cache& kv, std::vector<live_seq>& seqs) {
   }
   for (std::size_t b = 0; b < nbuf(kv); ++b) {
     for (std::size_t i = 0; i < seqs.size(); ++i) st.seed[i] = seed_of(seqs[i].tag, b);
-    kvtest::write_step(buf_base(kv, b), kv.seq_stride(), kv.token_bytes(), st);
+    kvtest::write_step(buf_base(kv, b), kv.seq_stride(), kv.token_bytes(), st, nullptr, kv.token_stride());
   }
 }
 
@@ -216,4 +219,46 @@ TEST_CASE("gpu kv_cache map-ahead: decode appends make no driver call; data chec
               (unsigned long long)(s1.map_ahead_driver_calls - s0.map_ahead_driver_calls));
   for (auto& q : seqs) CHECK(check(kv, q.s, q.tag, q.n) == 0);
   print_stats("gpu kv_cache map-ahead", s1);
+}
+
+TEST_CASE("gpu kv_cache serving: per_sequence layout, map-ahead, a shared prompt") {
+  kvtest::init();
+  const std::size_t free0 = free_memory();
+  {
+    auto c = cfg();
+    c.layout = vmm::kv_layout::per_sequence;  // R = 8 x 2 KiB = 16 KiB: 128 tokens a page
+    c.map_ahead_tokens = 128;
+    auto kv = vmm::kv_cache::cuda(c);
+    CHECK(kv.token_stride() == 8 * kv.token_bytes());
+    auto src = kv.open();
+    kv.append(src, 2000);
+    write(kv, src, 1, 0, 2000);
+    auto dst = kv.share_prefix(src, 1900);  // 14 whole pages (1792 tokens) shared, the rest copied
+    CHECK(kv.shared_tokens(dst) == 1792);
+    CHECK(kv.stats().pages_aliased == 14);
+    write(kv, dst, 1, 1792, 1900);  // the copy: the same tokens, tagged as the source's
+    CHECK(check(kv, dst, 1, 1900) == 0);
+    // Both decode on their own pages; the thread keeps the next page mapped.
+    std::vector<live_seq> seqs{{src, 1, 2000}, {dst, 1, 1900}};
+    kv.wait_map_ahead();
+    const auto s0 = kv.stats();
+    for (int i = 0; i < 300; ++i) {
+      decode_step(kv, seqs);
+      kv.wait_map_ahead();
+    }
+    GPU_CHECK(cudaDeviceSynchronize());
+    CHECK(kv.stats().append_driver_calls == s0.append_driver_calls);
+    CHECK(check(kv, src, 1, 2300) == 0);
+    CHECK(check(kv, dst, 1, 2200) == 0);
+    kv.close(src);  // dst keeps the shared pages
+    CHECK(check(kv, dst, 1, 2200) == 0);
+    const auto st = kv.stats();
+    CHECK(st.pages_aliased == 0);
+    CHECK(st.mapped_bytes < st.used_bytes + 2 * kv.page_size());  // one partial page and one ahead
+    print_stats("gpu kv_cache serving", st);
+    kv.close(dst);
+    kv.trim(0);
+  }
+  const std::size_t free1 = free_memory();
+  if (!gpu::skip_meminfo_checks()) CHECK(free1 + 8 * MiB >= free0);
 }

@@ -5,7 +5,9 @@
 // contents), and map-ahead (append makes no driver call once the thread caught up).
 //
 // Geometry of most cases: 64 KiB host granularity = page; T = 4 heads x 64 dims x 2 B = 512 B, so
-// 128 tokens a page; 2 layers = 4 buffers (K0 V0 K1 V1). Memory stays small (a few MiB).
+// 128 tokens a page; 2 layers = 4 buffers (K0 V0 K1 V1). Memory stays small (a few MiB). The
+// per_sequence layout puts the 4 side by side in one buffer per sequence: R = 2 KiB, 32 tokens a
+// page. Shared prefixes (share_prefix) have their own cases and a random run against a model.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -58,7 +60,9 @@ struct faulty {
   vmm::host_backend& host() { return *vmm::test::as_fault(kv.backend())->host(); }
 };
 
+// K|V buffers of a sequence (what write_tokens fills), and the buffers its pages are mapped in.
 std::size_t nbuf(const kv_cache& kv) { return (kv.config().fused_kv ? 1 : 2) * kv.config().layers; }
+std::size_t nmapped(const kv_cache& kv) { return kv.config().layout == vmm::kv_layout::per_sequence ? 1 : nbuf(kv); }
 
 unsigned char* buf_ptr(const kv_cache& kv, vmm::seq_id s, std::size_t buf) {
   if (kv.config().fused_kv) return static_cast<unsigned char*>(kv.k(s, buf));
@@ -74,22 +78,22 @@ std::uint8_t pat(std::uint64_t tag, std::size_t buf, std::size_t t, std::size_t 
 }
 
 void write_tokens(kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t t0, std::size_t t1) {
-  const std::size_t T = kv.token_bytes();
+  const std::size_t T = kv.token_bytes(), R = kv.token_stride();
   for (std::size_t b = 0; b < nbuf(kv); ++b) {
     unsigned char* p = buf_ptr(kv, s, b);
     for (std::size_t t = t0; t < t1; ++t)
-      for (std::size_t i = 0; i < T; i += 8) p[t * T + i] = pat(tag, b, t, i);  // every 8th byte: fast enough
+      for (std::size_t i = 0; i < T; i += 8) p[t * R + i] = pat(tag, b, t, i);  // every 8th byte: fast enough
   }
 }
 
-// Number of wrong bytes among those write_tokens wrote for [0, n).
-std::size_t check_tokens(const kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t n) {
-  const std::size_t T = kv.token_bytes();
+// Number of wrong bytes among those write_tokens wrote for [t0, n).
+std::size_t check_tokens(const kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t n, std::size_t t0 = 0) {
+  const std::size_t T = kv.token_bytes(), R = kv.token_stride();
   std::size_t bad = 0;
   for (std::size_t b = 0; b < nbuf(kv); ++b) {
     const unsigned char* p = buf_ptr(kv, s, b);
-    for (std::size_t t = 0; t < n; ++t)
-      for (std::size_t i = 0; i < T; i += 8) bad += p[t * T + i] != pat(tag, b, t, i);
+    for (std::size_t t = t0; t < n; ++t)
+      for (std::size_t i = 0; i < T; i += 8) bad += p[t * R + i] != pat(tag, b, t, i);
   }
   return bad;
 }
@@ -99,10 +103,10 @@ void check_live(faulty& f) {
   f.kv.wait_map_ahead();  // the thread may be mid-job (mapped, not yet committed): let it finish
   auto s = f.kv.stats();
   CHECK(f.st->live_handles() == static_cast<std::int64_t>(s.pages_mapped + s.pages_pooled));
-  CHECK(f.st->live_mappings() == static_cast<std::int64_t>(s.pages_mapped));
+  CHECK(f.st->live_mappings() == static_cast<std::int64_t>(s.pages_mapped + s.pages_aliased));
   CHECK(f.st->live_reservations() == 1);
   CHECK(f.host().live_handles() == s.pages_mapped + s.pages_pooled);
-  CHECK(f.host().live_mappings() == s.pages_mapped);
+  CHECK(f.host().live_mappings() == s.pages_mapped + s.pages_aliased);
   CHECK(s.mapped_bytes == s.pages_mapped * f.kv.page_size());
 }
 
@@ -524,11 +528,12 @@ TEST_CASE("fault injection: a refused unmap is retried, then parked; nothing lea
 TEST_CASE("random open / append / truncate / close against a model") {
   auto cfg = small_cfg(6, 1000);
   cfg.pool_keep_pages = 16;
-  for (std::uint64_t seed : {1u, 2u, 3u}) {
+  for (std::uint64_t seed : {1u, 2u, 3u, 4u}) {
+    cfg.layout = seed % 2 ? vmm::kv_layout::per_layer : vmm::kv_layout::per_sequence;
     CAPTURE(seed);
     faulty f(cfg);
     kv_cache& kv = f.kv;
-    const std::size_t nb = nbuf(kv);
+    const std::size_t nb = nmapped(kv);
     struct model_seq {
       std::size_t tokens = 0, mapped = 0;
       std::uint64_t tag = 0;
@@ -537,7 +542,7 @@ TEST_CASE("random open / append / truncate / close against a model") {
     std::size_t pool = 0, created = 0, reused = 0, released = 0;
     std::uint64_t next_tag = 1;
     std::mt19937_64 rng(seed);
-    auto pages_for = [&](std::size_t n) { return (n * kv.token_bytes() + PAGE - 1) / PAGE; };
+    auto pages_for = [&](std::size_t n) { return (n * kv.token_stride() + PAGE - 1) / PAGE; };
     for (int step = 0; step < 1500; ++step) {
       const int what = static_cast<int>(rng() % 100);
       if (what < 15 && model.size() < cfg.max_seqs) {
@@ -596,7 +601,7 @@ TEST_CASE("random open / append / truncate / close against a model") {
           CHECK(kv.mapped_pages(s) == m.mapped);
           CHECK(check_tokens(kv, s, m.tag, m.tokens) == 0);
           mapped += m.mapped * nb;
-          used += m.tokens * kv.token_bytes() * nb;
+          used += m.tokens * kv.token_bytes() * nbuf(kv);
         }
         CHECK(st.pages_mapped == mapped);
         CHECK(st.used_bytes == used);
@@ -780,4 +785,289 @@ TEST_CASE("destructor and move: everything unmapped and released, with the threa
   CHECK(h.live_handles() == 0);
   CHECK(h.live_mappings() == 0);
   CHECK(h.live_reservations() == 1);
+}
+
+// ---- per_sequence layout -----------------------------------------------------------------------
+
+namespace {
+vmm::kv_cache_config serving_cfg(std::size_t max_seqs = 8, std::size_t max_tokens = 1000) {
+  auto c = small_cfg(max_seqs, max_tokens);
+  c.layout = vmm::kv_layout::per_sequence;
+  return c;
+}
+}  // namespace
+
+TEST_CASE("per_sequence: one buffer per sequence, a token's K and V of every layer side by side") {
+  faulty f(serving_cfg(8, 1000));
+  kv_cache& kv = f.kv;
+  const std::size_t T = 512, R = 4 * T;  // 2 layers x K, V
+  CHECK(kv.token_bytes() == T);
+  CHECK(kv.token_stride() == R);
+  CHECK(kv.tokens_per_page() == PAGE / R);
+  CHECK(kv.seq_stride() == 32 * PAGE);  // round_up(1000 x 2 KiB, 64 KiB)
+  CHECK(kv.reserved() == 8 * kv.seq_stride());
+  CHECK(kv.layer_stride() == 2 * T);
+  CHECK(kv.kv_stride() == T);
+  const auto base = reinterpret_cast<std::uintptr_t>(kv.base());
+  for (std::size_t s = 0; s < 8; ++s)
+    for (std::size_t l = 0; l < 2; ++l) {
+      CHECK(reinterpret_cast<std::uintptr_t>(kv.k(s, l)) == base + s * kv.seq_stride() + 2 * l * T);
+      CHECK(reinterpret_cast<std::uintptr_t>(kv.v(s, l)) == base + s * kv.seq_stride() + (2 * l + 1) * T);
+    }
+  CHECK(kv.pages_for(32) == 1);
+  CHECK(kv.pages_for(33) == 2);
+  // A sequence maps one page per 32 tokens, whatever the layers: one map each, one set_access.
+  auto a = kv.open(), b = kv.open();
+  const auto calls0 = kv.stats().driver_calls;
+  kv.append(a, 100);
+  CHECK(kv.mapped_pages(a) == 4);
+  CHECK(kv.stats().pages_mapped == 4);
+  CHECK(kv.stats().driver_calls - calls0 == 4 + 4 + 1);  // create + map per page, one set_access
+  kv.append(b, 33);
+  write_tokens(kv, a, 1, 0, 100);
+  write_tokens(kv, b, 2, 0, 33);
+  kv.append(a, 400);
+  write_tokens(kv, a, 1, 100, 500);
+  CHECK(check_tokens(kv, a, 1, 500) == 0);
+  CHECK(check_tokens(kv, b, 2, 33) == 0);
+  kv.close(b);
+  CHECK(check_tokens(kv, a, 1, 500) == 0);
+  check_live(f);
+}
+
+TEST_CASE("per_sequence: mapped memory is within one page per sequence of what the tokens use") {
+  for (auto layout : {vmm::kv_layout::per_layer, vmm::kv_layout::per_sequence}) {
+    auto c = small_cfg(8, 1000);
+    c.layout = layout;
+    faulty f(c);
+    kv_cache& kv = f.kv;
+    std::mt19937_64 rng(7);
+    std::vector<vmm::seq_id> open;
+    std::size_t worst = 0;  // largest (mapped - used) seen, in bytes
+    for (int step = 0; step < 400; ++step) {
+      if (open.size() < 8 && rng() % 4 == 0) open.push_back(kv.open());
+      if (open.empty()) continue;
+      const std::size_t i = rng() % open.size();
+      if (rng() % 10 == 0) {
+        kv.close(open[i]);
+        open.erase(open.begin() + static_cast<long>(i));
+      } else if (kv.length(open[i]) + 40 <= 1000) {
+        kv.append(open[i], 1 + rng() % 40);
+      }
+      const auto st = kv.stats();
+      worst = std::max(worst, st.mapped_bytes - st.used_bytes);
+      // The bound: one partly filled page per mapped buffer of each open sequence.
+      CHECK(st.mapped_bytes - st.used_bytes < st.open_seqs * nmapped(kv) * PAGE + 1);
+    }
+    if (layout == vmm::kv_layout::per_sequence) CHECK(worst <= 8 * PAGE);
+    else CHECK(worst > 8 * PAGE);  // 4 buffers each: the per_layer layout rounds up 4 pages a sequence
+  }
+}
+
+// ---- shared prefixes ---------------------------------------------------------------------------
+
+TEST_CASE("share_prefix: whole pages mapped again read-only, no copy; the rest the caller's; freed with the last") {
+  for (auto layout : {vmm::kv_layout::per_layer, vmm::kv_layout::per_sequence}) {
+    auto c = small_cfg(4, 1000);
+    c.layout = layout;
+    CAPTURE(static_cast<int>(layout));
+    faulty f(c);
+    kv_cache& kv = f.kv;
+    const std::size_t per_page = kv.tokens_per_page(), nb = nmapped(kv);
+    auto a = kv.open();
+    kv.append(a, 3 * per_page + 10);
+    write_tokens(kv, a, 1, 0, 3 * per_page + 10);
+    const auto before = kv.stats();
+    const auto creates = f.st->calls(op::create);
+    const std::size_t n = 2 * per_page + 5;  // 2 whole pages, 5 tokens in a third
+    auto b = kv.share_prefix(a, n);
+    CHECK(b != a);
+    CHECK(kv.length(b) == n);
+    CHECK(kv.shared_tokens(b) == 2 * per_page);
+    CHECK(kv.shared_tokens(a) == 0);
+    CHECK(kv.mapped_pages(b) == 3);
+    auto st = kv.stats();
+    CHECK(st.pages_aliased == 2 * nb);
+    CHECK(st.pages_mapped == before.pages_mapped + nb);  // only the third page is new memory
+    CHECK(f.st->calls(op::create) == creates + nb);
+    check_live(f);
+    // Same memory: the shared tokens read what a wrote, at b's addresses; read-only there.
+    CHECK(check_tokens(kv, b, 1, 2 * per_page) == 0);
+    const auto kb = reinterpret_cast<std::uintptr_t>(kv.k(b, 0));
+    CHECK(f.host().access_of(kb, 0) == vmm::access_mode::read);
+    CHECK(f.host().access_of(kb + 2 * PAGE, 0) == vmm::access_mode::read_write);
+    // The caller copies the rest; then both grow on their own.
+    write_tokens(kv, b, 1, 2 * per_page, n);
+    kv.append(b, 100);
+    write_tokens(kv, b, 2, n, n + 100);
+    kv.append(a, 50);
+    write_tokens(kv, a, 3, 3 * per_page + 10, 3 * per_page + 60);
+    CHECK(check_tokens(kv, a, 1, 3 * per_page + 10) == 0);
+    CHECK(check_tokens(kv, b, 1, n) == 0);
+    CHECK(check_tokens(kv, b, 2, n + 100, n) == 0);
+    // Closing a keeps the pages b maps; b's tokens are intact.
+    kv.close(a);
+    st = kv.stats();
+    CHECK(st.pages_aliased == 0);
+    CHECK(st.pages_mapped == kv.mapped_pages(b) * nb);
+    CHECK(check_tokens(kv, b, 1, n) == 0);
+    check_live(f);
+    // The last mapping's unmap pools them.
+    kv.close(b);
+    CHECK(kv.stats().pages_mapped == 0);
+    const std::size_t released = kv.trim(0);
+    CHECK(released == kv.stats().pages_released);
+    CHECK(f.st->live_handles() == 0);
+    check_live(f);
+  }
+}
+
+TEST_CASE("share_prefix: memory for N sequences sharing a prompt against N copies") {
+  auto c = serving_cfg(9, 1000);
+  faulty f(c);
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.append(a, 900);  // the prompt: 29 pages (28 whole, the 29th partly)
+  const std::size_t copy_pages = kv.stats().pages_mapped;
+  for (int i = 0; i < 8; ++i) (void)kv.share_prefix(a, 900);
+  const auto st = kv.stats();
+  CHECK(st.open_seqs == 9);
+  CHECK(st.pages_mapped == copy_pages + 8 * (copy_pages - 28));  // each sharer: only its last page
+  CHECK(st.pages_aliased == 8 * 28);
+  CHECK(st.pages_mapped * 5 < 9 * copy_pages);  // under a fifth of nine copies
+  check_live(f);
+}
+
+TEST_CASE("share_prefix errors: bad source, no slot, no memory, shared pages never written; state intact") {
+  faulty f(serving_cfg(3, 1000), host_opts(10 * PAGE));
+  kv_cache& kv = f.kv;
+  auto a = kv.open();
+  kv.append(a, 100);  // 4 pages (32 tokens a page)
+  write_tokens(kv, a, 1, 0, 100);
+  CHECK_THROWS_WITH_AS(kv.share_prefix(a, 101), doctest::Contains("has 100 tokens"), vmm::error);
+  CHECK_THROWS_WITH_AS(kv.share_prefix(2, 10), doctest::Contains("not open"), vmm::error);
+  CHECK_THROWS_AS(kv.share_prefix(7, 10), vmm::error);
+  CHECK(kv.stats().open_seqs == 1);
+  // Sharing a sequence with itself twice is two sharers; a third has no slot.
+  auto b = kv.share_prefix(a, 96);  // 3 whole pages: nothing new
+  CHECK(kv.stats().pages_mapped == 4);
+  auto c2 = kv.share_prefix(b, 70);  // 2 whole pages of b (a's), a third of its own
+  CHECK(kv.shared_tokens(c2) == 64);
+  CHECK_THROWS_WITH_AS(kv.share_prefix(a, 10), doctest::Contains("are open"), vmm::out_of_memory);
+  check_live(f);
+  // A truncate that would write into a shared page is refused, on either side.
+  CHECK_THROWS_WITH_AS(kv.truncate(a, 50), doctest::Contains("shared"), vmm::error);
+  CHECK_THROWS_WITH_AS(kv.truncate(b, 40), doctest::Contains("shared"), vmm::error);
+  CHECK(kv.length(a) == 100);
+  CHECK(kv.length(b) == 96);
+  kv.truncate(a, 97);  // the 4th page is a's own
+  kv.truncate(c2, 64);  // down to the end of its shared pages: its own page goes
+  CHECK(kv.mapped_pages(c2) == 2);
+  CHECK(check_tokens(kv, c2, 1, 64) == 0);
+  // No memory for the sharer's own pages: nothing stays open or mapped.
+  kv.close(c2);
+  kv.append(a, 150);  // a: 8 pages; 10 is the limit
+  write_tokens(kv, a, 1, 97, 247);
+  const auto st0 = kv.stats();
+  kv.close(b);
+  kv.trim(0);
+  const auto st1 = kv.stats();
+  CHECK(st1.pages_mapped == 8);
+  CHECK(st0.open_seqs == 2);
+  f.st->arm(op::create, 1, fault::out_of_memory, true);
+  CHECK_THROWS_AS(kv.share_prefix(a, 200), vmm::out_of_memory);  // 6 shared, 1 of its own refused
+  f.st->disarm();
+  CHECK(kv.stats().open_seqs == 1);
+  CHECK(kv.stats().pages_aliased == 0);
+  CHECK(kv.stats().pages_mapped == 8);
+  CHECK(check_tokens(kv, a, 1, 247) == 0);
+  check_live(f);
+  // A refused map of a shared page: rolled back, nothing aliased.
+  f.st->arm(op::map, 3, fault::invalid_value);
+  CHECK_THROWS_AS(kv.share_prefix(a, 192), vmm::error);
+  CHECK(kv.stats().open_seqs == 1);
+  CHECK(kv.stats().pages_aliased == 0);
+  check_live(f);
+  auto d = kv.share_prefix(a, 192);
+  CHECK(kv.shared_tokens(d) == 192);
+  CHECK(check_tokens(kv, d, 1, 192) == 0);
+  kv.close(a);
+  CHECK(check_tokens(kv, d, 1, 192) == 0);
+  check_live(f);
+}
+
+TEST_CASE("share_prefix: random sharing, growth, truncation and closing against the contents") {
+  for (auto layout : {vmm::kv_layout::per_layer, vmm::kv_layout::per_sequence}) {
+    auto c = small_cfg(6, 600);
+    c.layout = layout;
+    c.retain_closed = layout == vmm::kv_layout::per_sequence;  // retained pages must never be shared ones
+    faulty f(c);
+    {
+      kv_cache& kv = f.kv;
+      // Each token of a sequence carries the tag of whoever wrote it: a sharer's prefix carries its
+      // source's. tags[s][t]
+      std::map<vmm::seq_id, std::vector<std::uint64_t>> tags;
+      std::uint64_t next = 1;
+      std::mt19937_64 rng(11 + static_cast<int>(layout));
+      auto check_seq = [&](vmm::seq_id s) {
+        const auto& v = tags[s];
+        std::size_t bad = 0;
+        for (std::size_t t = 0; t < v.size(); ++t) bad += check_tokens(kv, s, v[t], t + 1, t);
+        return bad;
+      };
+      for (int step = 0; step < 600; ++step) {
+        const int what = static_cast<int>(rng() % 100);
+        if (tags.size() < 6 && what < 15) {
+          tags[kv.open()] = {};
+        } else if (tags.empty()) {
+          continue;
+        } else {
+          auto it = tags.begin();
+          std::advance(it, static_cast<long>(rng() % tags.size()));
+          const vmm::seq_id s = it->first;
+          auto& v = it->second;
+          if (what < 55) {
+            const std::size_t n = std::min<std::size_t>(rng() % 3 ? rng() % 6 : rng() % 150, 600 - v.size());
+            kv.append(s, n);
+            const std::uint64_t tag = next++;
+            write_tokens(kv, s, tag, v.size(), v.size() + n);
+            v.insert(v.end(), n, tag);
+          } else if (what < 70 && tags.size() < 6 && !v.empty()) {
+            const std::size_t n = rng() % (v.size() + 1);
+            const auto src_tags = std::vector<std::uint64_t>(v.begin(), v.begin() + static_cast<long>(n));
+            const auto d = kv.share_prefix(s, n);
+            CHECK_FALSE(tags.count(d));
+            for (std::size_t t = kv.shared_tokens(d); t < n; ++t) write_tokens(kv, d, src_tags[t], t, t + 1);
+            tags[d] = src_tags;
+          } else if (what < 82) {
+            const std::size_t n = v.empty() ? 0 : rng() % (v.size() + 1);
+            try {
+              kv.truncate(s, n);
+              v.resize(n);
+            } catch (const vmm::error&) {
+              CHECK(kv.length(s) == v.size());  // refused: a shared page would take new tokens
+            }
+          } else if (what < 95) {
+            CHECK(check_seq(s) == 0);
+            kv.close(s);
+            tags.erase(it);
+          } else {
+            (void)kv.trim(0);
+          }
+        }
+        if (step % 25 == 0) {
+          for (auto& [s, v] : tags) CHECK(check_seq(s) == 0);
+          check_live(f);
+        }
+      }
+      for (auto& [s, v] : tags) {
+        CHECK(check_seq(s) == 0);
+        kv.close(s);
+      }
+      CHECK(kv.stats().pages_aliased == 0);
+      check_live(f);
+    }
+    f.kv = kv_cache(vmm::test::make_fault_host(std::make_shared<fault_state>(), host_opts()), small_cfg());
+    CHECK(f.st->nothing_live());
+  }
 }

@@ -296,6 +296,47 @@ class KV(unittest.TestCase):
             del mv
             kv.close(s)
 
+    def test_per_sequence_layout_and_shared_prefix(self):
+        # One buffer per sequence: a token's K and V of the 3 layers side by side (R = 6 x 512 B).
+        with self.make(layout="per_sequence", layers=2, max_tokens=5000) as kv:
+            L = kv.layout
+            self.assertEqual(kv.token_stride, 4 * 512)
+            self.assertEqual((kv.layer_stride, kv.kv_stride), (2 * 512, 512))
+            self.assertEqual(kv.strides(), (512, 256, kv.seq_stride // 2, 1024, 64, 1))
+            self.assertEqual(kv.k_ptr(1, 1), L["base"] + kv.seq_stride + 2 * 512)
+            self.assertEqual(kv.pages_for(1024), 1)
+            self.assertEqual(kv.pages_for(1025), 2)
+            a = kv.open()
+            kv.append(a, 3000)  # 3 pages
+            self.assertEqual(kv.stats()["pages_mapped"], 3)
+            tok = bytes(range(256)) * 2
+            kv.store(a, 1, 1500, k=memoryview(tok * 2).cast("H"))  # tokens 1500, 1501 of layer 1's K
+            with self.assertRaisesRegex(InvalidValueError, "per_sequence"):
+                kv.memoryview(a, 0)
+            with self.assertRaisesRegex(InvalidValueError, "has 3000 tokens"):
+                kv.share_prefix(a, 3001)
+            b = kv.share_prefix(a, 2500)
+            info = kv.seq_info(b)
+            self.assertEqual((info["length"], info["shared_tokens"]), (2500, 2048))
+            st = kv.stats()
+            self.assertEqual((st["pages_mapped"], st["pages_aliased"]), (4, 2))
+            kv.store(a, 0, 2100, k=memoryview(tok).cast("H"))  # a's own third page: not b's
+            self.assertEqual(kv.copy_prefix(a, b), 2500 - 2048)
+            ka, kb = kv.k_ptr(a, 1), kv.k_ptr(b, 1)
+            self.assertEqual(ctypes.string_at(kb + 1500 * kv.token_stride, 512), tok)  # shared page
+            self.assertEqual(ctypes.string_at(kv.k_ptr(b, 0) + 2100 * kv.token_stride, 512), tok)  # copied
+            self.assertEqual(ctypes.string_at(ka + 1501 * kv.token_stride, 512), tok)
+            with self.assertRaisesRegex(InvalidValueError, "shared"):
+                kv.truncate(b, 1000)
+            kv.close(a)
+            self.assertEqual(ctypes.string_at(kb + 1501 * kv.token_stride, 512), tok)
+            self.assertEqual(kv.stats()["pages_aliased"], 0)
+            kv.close(b)
+            self.assertEqual(kv.trim(0), 4)
+            self.assertEqual(kv.stats()["live_handles"], 0)
+        with self.assertRaisesRegex(InvalidValueError, "layout"):
+            self.make(layout="by_token")
+
     def test_growth_keeps_addresses_and_contents(self):
         with self.make() as kv:
             s = kv.open()

@@ -162,7 +162,10 @@ std::string format_peers(const std::vector<access_desc>& v) {
   for (std::size_t i = 0; i < v.size(); ++i) {
     s += i ? "," : "";
     s += v[i].device == cpu_device ? std::string("cpu") : std::to_string(v[i].device);
-    if (v[i].mode != access_mode::read_write) s += ":" + format_enum(v[i].mode);
+    if (v[i].mode != access_mode::read_write) {
+      s += ':';
+      s += format_enum(v[i].mode);
+    }
   }
   return s + "]";
 }
@@ -258,8 +261,12 @@ std::string option_value(const options& o, const option_info& row) {
 std::string describe(const options& o) {
   std::string s;
   const auto t = option_table();
-  for (std::size_t i = 0; i < t.size(); ++i)
-    s += (i ? " " : "") + std::string(t[i].name) + "=" + ops[i].format(o);
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    if (i) s += ' ';
+    s += t[i].name;
+    s += '=';
+    s += ops[i].format(o);
+  }
   return s;
 }
 

@@ -214,7 +214,7 @@ std::string human_bytes(double b) {
 
 std::string with_commas(double v) {
   std::string d = std::to_string(static_cast<unsigned long long>(std::llround(v)));
-  for (int i = int(d.size()) - 3; i > 0; i -= 3) d.insert(std::size_t(i), ",");
+  for (int i = int(d.size()) - 3; i > 0; i -= 3) d.insert(std::size_t(i), 1, ',');
   return d;
 }
 

@@ -15,9 +15,19 @@
 
 namespace vmm::replay {
 
+namespace {
+std::string where(const std::string& source, std::size_t line) {
+  std::string s = source;
+  if (line) {
+    s += ':';
+    s += std::to_string(line);
+  }
+  return s;
+}
+}  // namespace
+
 parse_error::parse_error(const std::string& source, std::size_t line, const std::string& what)
-    : std::runtime_error(source + (line ? ":" + std::to_string(line) : std::string()) + ": " + what),
-      line_(line) {}
+    : std::runtime_error(where(source, line) + ": " + what), line_(line) {}
 
 namespace {
 

@@ -11,7 +11,10 @@
 //     set_access, release, export, free_reservation): a release of a handle another thread is
 //     unmapping, a VA mapped again before its unmap returned;
 //   - an unmap that is not exactly one mapping, a map over mapped VA or outside a reservation;
-//   - a handle used after its release (handles are never reused, so a stale one is unknown);
+//   - a handle used after its release (values are never reused unless reuse_handles, so a stale
+//     one is unknown; with reuse_handles they come back as the driver's do, and a stale value
+//     names a newer handle, which only the allocator's own checks can catch);
+//   - a fence (a CUDA event) queried, waited on or dropped after its drop;
 //   - sizes, addresses and offsets off the granularity, a set_access over unmapped VA, a free of a
 //     reservation that still holds mappings.
 // Calls run outside the backend's own mutex: it registers each call in flight and checks the

@@ -172,7 +172,11 @@ class api final : public vmm::vk::external_api {
     bool held;
     std::size_t waits_before;
   };
-  static std::string sname(vmm::stream_t s) { return "s" + std::to_string(reinterpret_cast<std::uintptr_t>(s)); }
+  static std::string sname(vmm::stream_t s) {  // appended: gcc 12's -Wrestrict misfires on "s" + temporary
+    std::string n = "s";
+    n += std::to_string(reinterpret_cast<std::uintptr_t>(s));
+    return n;
+  }
   std::set<void*> buffers;
   std::set<vmm::stream_t> held;
   std::map<vmm::stream_t, std::vector<wait_entry>> waits;

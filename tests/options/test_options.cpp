@@ -37,6 +37,15 @@ std::string cell(std::string_view s) {
   return out;
 }
 
+// gcc 12 (Release) warns -Wrestrict on const char* + std::string temporaries: strings are appended.
+std::string code(std::string_view x, std::string_view after = "") {
+  std::string s = "`";
+  s += x;
+  s += '`';
+  s += after;
+  return s;
+}
+
 // The block between the markers, from option_table().
 std::string readme_table() {
   std::string s =
@@ -46,11 +55,16 @@ std::string readme_table() {
       "|---|---|---|---|---|\n";
   for (const option_info& r : vmm::option_table()) {
     const std::string def = r.default_text.empty() ? "\"\"" : r.default_text;
-    const std::string env = r.env.empty() ? "–" : "`" + std::string(r.env) + "`";
+    const std::string env = r.env.empty() ? "–" : code(r.env);
     const std::string c = r.in_c == vmm::c_field::none ? "–"
-                          : r.in_c == vmm::c_field::as_is ? "`" + std::string(r.name) + "` (as is)"
-                                                          : "`" + std::string(r.name) + "`";
-    s += "| `" + std::string(r.name) + "` | `" + cell(def) + "` | " + env + " | " + c + " | " + cell(r.doc) + " |\n";
+                          : r.in_c == vmm::c_field::as_is ? code(r.name, " (as is)")
+                                                          : code(r.name);
+    for (const std::string& col : {code(r.name), code(cell(def)), env, c, cell(r.doc)}) {
+      s += "| ";
+      s += col;
+      s += ' ';
+    }
+    s += "|\n";
   }
   return s;
 }
@@ -438,8 +452,12 @@ TEST_CASE("libvmmalloc_torch reads every variable of the table") {
     if (r.kind == option_kind::path)  // one file per device: device 0's "%d" is 0
       v.replace(v.find("%d"), 2, "0");
     REQUIRE(vmm::set_option(o, r, v).ok());
-    CHECK_MESSAGE(config.find(" " + std::string(r.name) + "=" + vmm::option_value(o, r) + " ") != std::string::npos,
-                  r.env);
+    std::string want = " ";
+    want += r.name;
+    want += '=';
+    want += vmm::option_value(o, r);
+    want += ' ';
+    CHECK_MESSAGE(config.find(want) != std::string::npos, r.env);
   }
 
   // Each bad value refuses device 1, naming the variable; nothing is created.

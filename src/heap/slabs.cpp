@@ -21,17 +21,19 @@ result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
     s->state.reset(G / kUnit);
     s->req.reset(G / kUnit);
   }
-  // Set up under the seqlock: a lock-free reader that sees seq change takes the locked path.
+  // Set up under the seqlock: a lock-free reader that sees seq change takes the locked path. The
+  // fields are stored with release (not a fence, which TSan cannot follow): a reader that loads a
+  // new value (acquire) then sees the odd seq. Plain stores and loads on x86.
   const std::uint32_t seq = s->seq.load(std::memory_order_relaxed) + 1;
   s->seq.store(seq, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
   const std::uint32_t slot = class_size[cls];
-  std::atomic_ref(s->base).store(b->addr, std::memory_order_relaxed);
-  std::atomic_ref(s->stream).store(x, std::memory_order_relaxed);
-  std::atomic_ref(s->cls).store(cls, std::memory_order_relaxed);
-  std::atomic_ref(s->slot).store(slot, std::memory_order_relaxed);
-  std::atomic_ref(s->nslots).store(static_cast<std::uint32_t>(G / slot), std::memory_order_relaxed);
-  std::atomic_ref(s->inv).store(((std::uint64_t{1} << 40) + slot - 1) / slot, std::memory_order_relaxed);
+  constexpr auto rel = std::memory_order_release;
+  std::atomic_ref(s->base).store(b->addr, rel);
+  std::atomic_ref(s->stream).store(x, rel);
+  std::atomic_ref(s->cls).store(cls, rel);
+  std::atomic_ref(s->slot).store(slot, rel);
+  std::atomic_ref(s->nslots).store(static_cast<std::uint32_t>(G / slot), rel);
+  std::atomic_ref(s->inv).store(((std::uint64_t{1} << 40) + slot - 1) / slot, rel);
   s->tag = static_cast<std::uint16_t>((((seq + 1) >> 1) & 0xff) << 8);
   s->blk = b;
   s->used = 0;
@@ -140,13 +142,14 @@ bool heap::small_slot(std::uintptr_t p, slot_ref& r) const noexcept {
   // a compare-exchange on an entry read from an older incarnation.
   const std::uint32_t seq = sl->seq.load(std::memory_order_acquire);
   if (seq & 1) return false;
-  const std::uintptr_t base = std::atomic_ref(sl->base).load(std::memory_order_relaxed);
-  const std::uint32_t slot = std::atomic_ref(sl->slot).load(std::memory_order_relaxed);
-  const std::uint32_t nslots = std::atomic_ref(sl->nslots).load(std::memory_order_relaxed);
-  const std::uint64_t inv = std::atomic_ref(sl->inv).load(std::memory_order_relaxed);
-  r.cls = std::atomic_ref(sl->cls).load(std::memory_order_relaxed);
-  r.stream = std::atomic_ref(sl->stream).load(std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_acquire);
+  // Acquire loads (see new_slab): a value of a newer incarnation makes the seq below differ.
+  constexpr auto acq = std::memory_order_acquire;
+  const std::uintptr_t base = std::atomic_ref(sl->base).load(acq);
+  const std::uint32_t slot = std::atomic_ref(sl->slot).load(acq);
+  const std::uint32_t nslots = std::atomic_ref(sl->nslots).load(acq);
+  const std::uint64_t inv = std::atomic_ref(sl->inv).load(acq);
+  r.cls = std::atomic_ref(sl->cls).load(acq);
+  r.stream = std::atomic_ref(sl->stream).load(acq);
   if (sl->seq.load(std::memory_order_relaxed) != seq) return false;
   const std::uintptr_t off = p - base;
   const auto i = static_cast<std::uint32_t>((off * inv) >> 40);  // no division on the free path

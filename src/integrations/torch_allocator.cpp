@@ -401,6 +401,16 @@ vmm::backend_iface* backend_of(int d) noexcept { return existing(d) ? slots[d].b
 void set_last_error(const std::string& s) noexcept { set_error(s); }
 }  // namespace vmm::torch_lib
 
+namespace {
+// Device d's free and total memory as the driver reports them (cuMemGetInfo; the host backend's
+// simulated limit). Throws vmm::error.
+vmm::memory_info device_memory(int d) {
+  const auto m = slots[d].backend->mem_info();
+  if (!m.ok()) throw vmm::error(m.st, "cuMemGetInfo");
+  return m.value;
+}
+}  // namespace
+
 extern "C" {
 
 void* vmm_torch_malloc(ssize_t size, int device, void* stream) {
@@ -520,15 +530,6 @@ int vmm_torch_stats(int device, uint64_t* out, int n) try {
   return -1;
 }
 
-namespace {
-// Device d's free and total memory as the driver reports them (cuMemGetInfo; the host backend's
-// simulated limit). Throws vmm::error.
-auto device_memory(int d) {
-  const auto m = slots[d].backend->mem_info();
-  if (!m.ok()) throw vmm::error(m.st, "cuMemGetInfo");
-  return m.value;
-}
-}  // namespace
 
 int vmm_torch_mem_info(int device, uint64_t* free_bytes, uint64_t* total_bytes) {
   if (!free_bytes || !total_bytes) {

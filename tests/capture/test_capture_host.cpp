@@ -36,7 +36,9 @@ std::string end(host_backend* hb, stream_t s) {
 }  // namespace
 
 TEST_CASE("capture: allocations that need growth, on every path, leave a global capture valid") {
-  auto [hb, a] = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts());
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   for (std::size_t n : {std::size_t{256}, 48 * KiB, 3 * MiB, 100 * MiB}) {  // cache/slab, large, huge
     CAPTURE(n);
     a.trim(0);  // nothing mapped: every size needs growth
@@ -51,7 +53,9 @@ TEST_CASE("capture: allocations that need growth, on every path, leave a global 
 }
 
 TEST_CASE("capture: without the relaxed mode the model refuses growth (the model works)") {
-  auto [hb, a] = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts());
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   REQUIRE(hb->begin_capture(S(1)) != 0);
   // A direct backend call in global mode, as an allocator without capture support would make.
   auto h = hb->create(2 * MiB, {});
@@ -60,7 +64,9 @@ TEST_CASE("capture: without the relaxed mode the model refuses growth (the model
 }
 
 TEST_CASE("capture: another thread's global capture survives this thread's growth, trim and stats") {
-  auto [hb, a] = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts());
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   std::atomic<int> phase{0};
   std::thread capturer([&] {
     hb->begin_capture(S(9));
@@ -81,7 +87,9 @@ TEST_CASE("capture: another thread's global capture survives this thread's growt
 }
 
 TEST_CASE("capture: no fence is recorded on a capturing stream; what waits on it waits for the end") {
-  auto [hb, a] = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts());
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   // A large block freed on S1 during S1's capture: S2 may not reuse it (a fence on S1 would be a
   // graph node, not a point S1 reaches), and asking must not touch S1.
   void* warm = a.allocate(3 * MiB, 0, S(1));
@@ -108,7 +116,9 @@ TEST_CASE("capture: no fence is recorded on a capturing stream; what waits on it
 TEST_CASE("capture: memory freed on S while S runs behind is not retired during S's capture") {
   options o = opts();
   o.max_growth = 2 * MiB;
-  auto [hb, a] = make_host_alloc(o);
+  auto ha = make_host_alloc(o);
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   std::vector<void*> v;
   for (int i = 0; i < 4; ++i) v.push_back(a.allocate(2 * MiB, 0, S(1)));
   a.deallocate(v[0], S(1));
@@ -127,7 +137,9 @@ TEST_CASE("capture: memory freed on S while S runs behind is not retired during 
 }
 
 TEST_CASE("graph pools: a capture's memory is its own until released; frees inside are reused inside only") {
-  auto [hb, a] = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts());
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   const stream_t cs = S(1);
   auto only = [cs](stream_t s) { return s == cs; };
   REQUIRE(hb->begin_capture(cs) != 0);
@@ -164,7 +176,9 @@ TEST_CASE("graph pools: a capture's memory is its own until released; frees insi
 }
 
 TEST_CASE("graph pools: two captures share a pool; two pools at once") {
-  auto [hb, a] = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts());
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   a.begin_pool(1, [](stream_t s) { return s == S(1); });
   void* x = a.allocate(1 * MiB, 0, S(1));
   a.deallocate(x, S(1));
@@ -187,7 +201,9 @@ TEST_CASE("graph pools: two captures share a pool; two pools at once") {
 }
 
 TEST_CASE("graph pools: bad input is a clear error and loses nothing") {
-  auto [hb, a] = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts());
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   CHECK_THROWS_WITH_AS(a.end_pool(3), doctest::Contains("never begun"), vmm::error);
   CHECK_THROWS_WITH_AS(a.release_pool(3), doctest::Contains("no such pool"), vmm::error);
   a.begin_pool(3);
@@ -231,7 +247,9 @@ TEST_CASE("graph pools through the C API") {
 }
 
 TEST_CASE("graph pools: pool_stats, pool_of and owns say where a block lives") {
-  auto [hb, a] = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts());
+  [[maybe_unused]] auto* hb = ha.hb;
+  auto& a = ha.a;
   allocator::pool_info pi;
   allocator::pool_id id = 0;
   CHECK_FALSE(a.pool_stats(4, pi));                  // never begun
@@ -276,7 +294,9 @@ TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by ca
   for (std::size_t n : {std::size_t{256}, 64 * KiB, 1 * MiB, 32 * MiB, 128 * MiB}) {
     CAPTURE(n);
     CAPTURE(held);
-    auto [hb, a] = make_host_alloc(opts());
+    auto ha = make_host_alloc(opts());
+    [[maybe_unused]] auto* hb = ha.hb;
+    auto& a = ha.a;
     const stream_t cs = S(1);
     if (held)  // the GPU runs behind: every fence stays pending
       for (int i : {1, 5, 6}) hb->hold_stream(S(i));

@@ -416,7 +416,7 @@ TEST_CASE("blocks on the same chunks are imported as one mapping; each import is
   REQUIRE(n1 == n2);
   REQUIRE(h1.compare(24, 8 * n1, h2, 24, 8 * n1) == 0);
 
-  auto import = [d](const std::string& h) {
+  auto import = [](const std::string& h) {  // d is a constant: no capture
     return static_cast<unsigned char*>(vmm_torch_import(d, h.data(), static_cast<std::int64_t>(h.size())));
   };
   unsigned char* q1 = import(h1);
@@ -487,7 +487,7 @@ TEST_CASE("threads share, import, close and free blocks at once: every import se
   std::vector<std::thread> ts;
   std::vector<int> bad(4, 0);
   for (int t = 0; t < 4; ++t)
-    ts.emplace_back([t, d, &bad, &ah] {
+    ts.emplace_back([t, &bad, &ah] {  // d is a constant: no capture
       std::string h(4096, '\0');
       for (int i = 0; i < 200; ++i) {
         const std::int64_t n = 256 + ((i * 7919 + t * 104729) % (4 << 20));  // slab, span and chunk-crossing blocks

@@ -111,8 +111,10 @@ TEST_CASE("allocator export, shared chunks: the chunks under the block, at its o
     CHECK(h1.chunks.front().handle.fd != h2.chunks.front().handle.fd);  // each handle owns its fd
     CHECK(a.stats().calls.export_handle == exports + 1);  // the chunk was exported once
   }
-  for (auto [p, n, v] : {std::tuple{s2, std::size_t{64}, std::uint8_t{11}}, std::tuple{mid, MiB + 300, std::uint8_t{12}},
-                         std::tuple{huge, big, std::uint8_t{13}}}) {
+  for (const auto& c : {std::tuple{s2, std::size_t{64}, std::uint8_t{11}}, std::tuple{mid, MiB + 300, std::uint8_t{12}},
+                        std::tuple{huge, big, std::uint8_t{13}}}) {
+    const auto [p, n_, v] = c;  // clang 14 cannot capture a structured binding (CAPTURE): n is a copy
+    const std::size_t n = n_;
     CAPTURE(n);
     std::memset(s1, 0x5A, 64);
     ipct::fill(p, n, v);

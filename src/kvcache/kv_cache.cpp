@@ -226,6 +226,17 @@ struct kv_cache::impl {
     st.pages_released += released / P;
     return s;
   }
+  // The same, its driver calls counted and attributed to `path` (append, map-ahead; null: none).
+  status clean_strays_on(std::uint64_t* path) {
+    calls c;
+    status x{};
+    {
+      counting k(c);
+      x = clean_strays();
+    }
+    account(c, path);
+    return x;
+  }
 
   // Under the lock: unmaps pages [keep, mapped) of sl into the pool, top page first. A refused
   // unmap (twice) parks that page as a stray; the slot shrinks anyway. Returns the first refusal.
@@ -284,14 +295,7 @@ struct kv_cache::impl {
       const auto s = static_cast<std::size_t>(w);
       next = s + 1;
       if (!strays.empty()) {
-        calls c;
-        status x{};
-        {
-          counting k(c);
-          x = clean_strays();
-        }
-        account(c, &st.map_ahead_driver_calls);
-        if (!x.ok()) {
+        if (!clean_strays_on(&st.map_ahead_driver_calls).ok()) {
           slots[s].ahead_failed = true;
           ++st.map_ahead_failures;
           continue;
@@ -353,16 +357,9 @@ struct kv_cache::impl {
     const std::string ctx = std::string("vmm::kv_cache::") + what + ": sequence " + std::to_string(s) +
                             ", mapping pages " + std::to_string(sl.mapped) + ".." + std::to_string(need) + " (" +
                             std::to_string(nbuf) + " buffers)";
-    if (!strays.empty()) {
-      calls c;
-      status x{};
-      {
-        counting k(c);
-        x = clean_strays();
-      }
-      account(c, &st.append_driver_calls);
-      if (!x.ok()) throw_status(x, ctx + ": undoing an earlier failed step");
-    }
+    if (!strays.empty())
+      if (status x = clean_strays_on(&st.append_driver_calls); !x.ok())
+        throw_status(x, ctx + ": undoing an earlier failed step");
     job j = plan(s, sl.mapped, need, &st.append_driver_calls);
     run(j);
     commit(j, &st.append_driver_calls);
@@ -637,21 +634,22 @@ seq_id kv_cache::share_prefix(seq_id src, std::size_t tokens) {
   }
   m.open_locked(lk, s);  // a closed slot is never busy: no wait, src is as checked
   const std::size_t k = m.whole_pages(tokens);
+  auto abandon = [&] {  // on failure: nothing stays mapped or open
+    (void)m.unmap_down_to(sl, s, 0);
+    sl.open = false;
+    --m.open_count;
+  };
   if (err.ok()) err = m.alias_pages(src, s, k);
   if (err.ok()) {
     try {
       m.grow_locked(s, m.pages_for(tokens), "share_prefix");
     } catch (...) {
-      (void)m.unmap_down_to(sl, s, 0);
-      sl.open = false;
-      --m.open_count;
+      abandon();
       throw;
     }
   }
   if (!err.ok()) {
-    (void)m.unmap_down_to(sl, s, 0);
-    sl.open = false;
-    --m.open_count;
+    abandon();
     throw_status(err, "vmm::kv_cache::share_prefix: mapping sequence " + std::to_string(src) + "'s first " +
                           std::to_string(k) + " pages into slot " + std::to_string(s));
   }
@@ -721,14 +719,8 @@ std::size_t kv_cache::trim() { return trim(impl::live(p_).cfg.pool_keep_pages); 
 std::size_t kv_cache::trim(std::size_t keep) {
   impl& m = impl::live(p_);
   std::lock_guard g(m.mu);
-  calls c;
   std::size_t released = 0;
-  status err{};
-  {
-    counting k(c);
-    err = m.clean_strays();  // parked unmaps and releases first: giving memory back is why we are here
-  }
-  m.account(c, nullptr);
+  status err = m.clean_strays_on(nullptr);  // parked work first: giving memory back is why we are here
   if (err.ok() && m.cfg.retain_closed)  // retained pages are pooled memory too: unmap them first
     err = m.reclaim(std::numeric_limits<std::size_t>::max(), m.slots.size(), nullptr);
   calls r;

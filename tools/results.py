@@ -24,6 +24,7 @@ Sections and where their data comes from:
   models       real_models.md, else summary.txt; a run with --rounds goes to models-rounds
   cap          summary.txt (under one memory cap)
   hf           kv_transformers.md, else summary.txt (transformers caches)
+  serve        serve_transformers.md (continuous batching against transformers)
 A --quick run of models or hf is a smoke test: it is written only when --only names its section.
   alloc_free, trace, growth, driver, random, kvcache
                extras.log: the output of each benchmark of the bench step (trace: the
@@ -41,7 +42,8 @@ REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 
 TITLES = {
     "models": "Real PyTorch processes", "models-rounds": "Real PyTorch processes, in rounds",
-    "cap": "Under one memory cap", "hf": "transformers caches", "kvcache": "KV cache, decode workload",
+    "cap": "Under one memory cap", "hf": "transformers caches",
+    "serve": "Continuous batching against transformers", "kvcache": "KV cache, decode workload",
     "replay": "Replay of the shared trace", "alloc_free": "Allocate + free pairs",
     "trace": "Trace recording overhead", "growth": "Growth", "driver": "Driver costs",
     "random": "Random allocations", "tests": "Tests", "sanitizer": "compute-sanitizer",
@@ -276,6 +278,11 @@ def sections_of(outdir, only=None):
         md = read(os.path.join(outdir, "kv_transformers.md")) or blocks.get("hf")
         if md and (not quick(args) or "hf" in (only or ())):
             out["hf"] = (gpu_check("hf", VMM_GPU_CHECK_HF_ARGS=env), strip_heading(md))
+
+    if ran(keys.get("serve")):
+        md = read(os.path.join(outdir, "serve_transformers.md"))
+        if md:
+            out["serve"] = (gpu_check("serve"), strip_heading(md))
 
     def runs_of(cmds):
         return "%s, which runs %s" % (gpu_check("bench"), ", ".join("`%s`" % c for c in cmds))

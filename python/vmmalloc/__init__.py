@@ -12,6 +12,8 @@ imported on demand because they import their framework:
     vmmalloc.torch  vmmalloc as PyTorch's CUDA allocator (libvmmalloc_torch.so), its stats
     vmmalloc.cupy   vmmalloc as CuPy's allocator
     vmmalloc.hf     VmmCache: a transformers Cache whose K/V live in a vmmalloc KVCache
+    vmmalloc.serve  Engine: continuous batching of a transformers decoder over a KVCache
+    vmmalloc.batching  its scheduler (pure Python: admission, chunked prefill, preemption)
 Errors: vmmalloc.Error (.status), OutOfMemoryError (also a MemoryError), InvalidValueError (also a
 ValueError); their text is the C++ exception's message.
 """

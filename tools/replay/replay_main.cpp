@@ -25,6 +25,11 @@
 //    first sample of peak mapped bytes ("at_peak_mapped"): free span memory, how much of it lies
 //    in whole pages and the largest free block, i.e. what a request that set the peak could not
 //    use without new memory.
+//  * --bound (also with --samples): that untimed pass also counts, after every event, the 2 MiB
+//    pages of the allocator's addresses that hold a live requested byte (touched.hpp); its peak
+//    is the least any allocator mapping whole pages could hold with the same placement. Reported
+//    beside that pass's own peak mapped: touched / live is placement waste, mapped / touched is
+//    memory kept mapped beyond the touched pages (reclaim waste).
 //  * Threads (v2 traces): one replay thread per recorded thread, event i only after event i-1 has
 //    returned (replay_pass.hpp); --threads one replays on one thread. The hand-offs are harness
 //    cost: the null allocator pays them too, so "net of null" removes them.
@@ -56,6 +61,7 @@
 #include "replay_pass.hpp"
 #include "timeline.hpp"
 #include "tool_cli.hpp"
+#include "touched.hpp"
 #include "trace.hpp"
 
 namespace {
@@ -71,6 +77,7 @@ struct cli {
   bool warm = false;
   int device = 0;
   std::uint64_t samples = 0;  // 0: no timeline
+  bool bound = false;         // the pages-touched bound (from the untimed pass, as --samples)
   std::string threads = "recorded";  // recorded: one replay thread per recorded thread; one
   std::uint64_t lag = 0;             // events the streams run behind the CPU; 0: none
   std::vector<std::string> option_texts;  // --option NAME=VALUE, as given
@@ -110,6 +117,9 @@ cli parse_cli(int argc, char** argv) {
                  "add a timeline of live/mapped/reserved bytes (at most N samples + the peaks) per allocator to "
                  "the JSON, for vmm-plot; from a separate untimed pass")
       ->type_name("N");
+  app.add_flag("--bound", c.bound,
+               "add the pages-touched bound: the peak of 2 MiB pages holding a live byte, beside the peak mapped "
+               "of the same untimed pass (placement waste vs reclaim waste); also with --samples");
   app.add_option("--threads", c.threads,
                  "recorded (default): one replay thread per thread of a v2 trace, each event after the previous one "
                  "has returned; one: every event on one thread")
@@ -160,12 +170,17 @@ std::string mib(std::optional<std::uint64_t> b) { return b ? vmm::replay::mib(do
 // every event are left out (reported in `note`), never filled in. Same threads and lag as the
 // timed pass (opts), so the timeline shows what that pass did.
 pass_result sample_pass(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
-                        std::size_t max_samples, pass_opts o, timeline& out, std::string& note) {
+                        std::size_t max_samples, pass_opts o, timeline& out, touched_pages& touched,
+                        std::string& note) {
   std::vector<std::uint64_t> mapped, reserved;
   bool has_mapped = true, has_reserved = true;
   o.check_every = 0;
   o.sample = false;
   o.after_event = [&](std::size_t i) -> std::string {
+    const event& e = t.events[i];  // a free leaves its address in ptr[e.id]
+    const auto at = reinterpret_cast<std::uintptr_t>(ptr[e.id]);
+    if (e.kind == op::alloc) touched.add(at, e.size);
+    else touched.remove(at, e.size);
     memory_now m = a.current();
     if (m.requested && *m.requested != t.live_after[i])
       return "stats().requested = " + std::to_string(*m.requested) + " after event " + std::to_string(i) + " (" +
@@ -230,6 +245,8 @@ struct row {
   memory_report mem;
   std::optional<timeline> tl;  // --samples
   std::vector<std::pair<std::string, double>> at_peak;  // --samples: the peer at the mapped peak
+  std::optional<std::uint64_t> touched_bytes;      // --bound / --samples: peak pages touched x page
+  std::optional<std::uint64_t> pass_mapped_bytes;  // the same untimed pass's peak mapped
   double sample_seconds = 0;
   std::size_t threads = 1;
   std::uint64_t handoffs = 0;
@@ -311,6 +328,15 @@ bool write_json(const std::string& path, const std::vector<row>& rows, const tra
     o["lag_timeouts"] = r.lag_timeouts;
     o["options"] = r.options;
     for (auto& [key, v] : r.mem.extra) o[key] = json_num(v);
+    if (r.touched_bytes) {
+      o["peak_touched_bytes"] = *r.touched_bytes;
+      o["untimed_peak_mapped_bytes"] = json_opt(r.pass_mapped_bytes);
+      o["touched_over_live"] = t.peak_live_bytes ? ojson(double(*r.touched_bytes) / double(t.peak_live_bytes))
+                                                 : ojson(nullptr);
+      o["mapped_over_touched"] = r.pass_mapped_bytes && *r.touched_bytes
+                                     ? ojson(double(*r.pass_mapped_bytes) / double(*r.touched_bytes))
+                                     : ojson(nullptr);
+    }
     if (r.tl) o["timeline"] = timeline_json(*r.tl, r, c);
     // Paths and driver messages are not guaranteed UTF-8: replace invalid bytes rather than throw.
     f << "  " << o.dump(-1, ' ', false, ojson::error_handler_t::replace) << (k + 1 < rows.size() ? "," : "") << "\n";
@@ -337,6 +363,21 @@ void print_table(const std::vector<row>& rows, const trace& t) {
                 mib(r.mem.peak_reserved).c_str(), calls);
   }
   std::printf("\n");
+  if (std::any_of(rows.begin(), rows.end(), [](const row& r) { return r.touched_bytes.has_value(); })) {
+    std::printf("Pages-touched bound (untimed pass: 2 MiB pages holding a live byte, at their peak):\n\n");
+    std::printf("| allocator | peak live | pages touched | peak mapped (same pass) | touched/live | mapped/touched |\n");
+    std::printf("|---|---:|---:|---:|---:|---:|\n");
+    for (auto& r : rows) {
+      if (!r.touched_bytes) continue;
+      char tl[32] = "n/a", mt[32] = "n/a";
+      if (t.peak_live_bytes) std::snprintf(tl, sizeof tl, "%.3f", double(*r.touched_bytes) / double(t.peak_live_bytes));
+      if (r.pass_mapped_bytes && *r.touched_bytes)
+        std::snprintf(mt, sizeof mt, "%.3f", double(*r.pass_mapped_bytes) / double(*r.touched_bytes));
+      std::printf("| %s | %s | %s | %s | %s | %s |\n", r.name.c_str(), mib(double(t.peak_live_bytes)).c_str(),
+                  mib(double(*r.touched_bytes)).c_str(), mib(r.pass_mapped_bytes).c_str(), tl, mt);
+    }
+    std::printf("\n");
+  }
   for (auto& r : rows) {
     if (r.mem.peak_mapped && t.peak_live_bytes)
       std::printf("%s: peak mapped / peak live = %.3f  [peak mapped: %s]\n", r.name.c_str(),
@@ -571,7 +612,7 @@ int main(int argc, char** argv) {
     lag.reset();
     a->release_cached();  // the next allocator starts with the memory given back
 
-    if (c.samples) {
+    if (c.samples || c.bound) {
       // A fresh instance, so the sampled pass starts as the timed one did (cold, or after the
       // same untimed warm-up); the timed instance goes first so the two never coexist.
       a.reset();
@@ -605,7 +646,8 @@ int main(int argc, char** argv) {
       std::string note;
       const std::string label = name + " (sampling)";
       so.label = label.c_str();
-      pass_result sr = sample_pass(*b, t, *streams, ptr, c.samples, so, tl, note);
+      touched_pages touched(std::uint64_t{2} << 20);
+      pass_result sr = sample_pass(*b, t, *streams, ptr, c.samples ? c.samples : 1, so, tl, touched, note);
       if (sr.exit_code) {
         std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), sr.failure.c_str());
         rc = sr.exit_code;
@@ -617,15 +659,19 @@ int main(int argc, char** argv) {
         break;
       }
       if (!note.empty()) std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), note.c_str());
-      std::fprintf(stderr, "vmm-replay: %s: timeline of %zu samples (untimed pass, %.2f s)%s\n", name.c_str(),
-                   tl.event.size(), sr.seconds,
+      rows.back().touched_bytes = touched.peak_pages() * touched.page();
+      if (tl.peak_mapped) rows.back().pass_mapped_bytes = tl.peak_mapped->bytes;
+      std::fprintf(stderr, "vmm-replay: %s: untimed pass (%.2f s): %s pages touched at their peak%s\n", name.c_str(),
+                   sr.seconds, mib(double(*rows.back().touched_bytes)).c_str(),
                    tl.peak_mapped ? (", peak mapped " + mib(double(tl.peak_mapped->bytes)) + " at event " +
                                      std::to_string(tl.peak_mapped->event))
                                         .c_str()
                                   : "");
-      rows.back().at_peak = b->at_peak_mapped();
-      print_at_peak(name, rows.back().at_peak);
-      rows.back().tl = std::move(tl);
+      if (c.samples) {
+        rows.back().at_peak = b->at_peak_mapped();
+        print_at_peak(name, rows.back().at_peak);
+        rows.back().tl = std::move(tl);
+      }
       rows.back().sample_seconds = sr.seconds;
       blag.reset();
       b->release_cached();

@@ -26,6 +26,17 @@ AdamW in bf16 autocast with fp32 master weights, eager attention (deterministic:
   resnet  (not in the default set) a ResNet-50 from transformers' ResNetConfig, image
           classification training with varying batch sizes: a conv net
 
+The suite of processes where expandable segments itself holds several percent over what is
+allocated (--models gpt2,t5,cnn; not in the default set):
+
+  gpt2    a GPT-2-medium-style decoder (learned positions, tied embeddings) trained on varying
+          batch x sequence, then greedy generate() at varying batch sizes
+  t5      a T5-base-style encoder-decoder in bf16 autocast on varying source and target lengths,
+          then greedy generate() of varying batch and source length
+  cnn     the ResNet-50 shape in bf16 autocast, channels_last, cudnn.benchmark on (its algorithm
+          search allocates workspaces of its own; losses then agree within --loss-rtol, not bit for
+          bit), varying batch and image resolution
+
 Per run: peak held (caching, expandable: torch.cuda.max_memory_reserved; cudaMallocAsync: the
 pool's reserved high water from torch.cuda.memory_stats, else cuMemPoolGetAttribute(
 RESERVED_MEM_HIGH) on the default pool; vmmalloc: stats peak_physical), peak allocated
@@ -196,6 +207,69 @@ MODELS = {
         },
     },
 }
+MODELS.update({
+    "gpt2": {
+        "family": "gpt2",
+        "what": "GPT-2-medium-style decoder, AdamW (bf16 autocast) on varying batch x sequence, then greedy "
+                "generate() at varying batch",
+        "full": {
+            "config": dict(vocab_size=50257, n_positions=1024, max_position_embeddings=1024, n_embd=1024,
+                           n_layer=24, n_head=16),
+            "train": [(8, 512), (4, 1024), (16, 256), (2, 1024), (12, 384), (32, 128), (6, 768), (1, 1024),
+                      (24, 192), (8, 640), (3, 896), (16, 448)],
+            "generate": [(1, 64, 64), (8, 256, 64), (32, 32, 48), (4, 512, 64), (16, 128, 32), (2, 384, 48)],
+            "estimate_s": 50,
+        },
+        "quick": {
+            "config": dict(vocab_size=1000, n_positions=128, max_position_embeddings=128, n_embd=64, n_layer=2,
+                           n_head=4),
+            "train": [(2, 32), (4, 16), (1, 64)],
+            "generate": [(2, 8, 8), (3, 4, 6)],
+            "estimate_s": 25,
+        },
+    },
+    "t5": {
+        "family": "t5",
+        "what": "T5-base-style encoder-decoder, AdamW in bf16 autocast on varying source x target lengths, then "
+                "greedy generate()",
+        "full": {
+            "config": dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_decoder_layers=12,
+                           num_heads=12, feed_forward_proj="gated-gelu"),
+            "train": [(16, 512, 128), (32, 256, 64), (8, 1024, 256), (64, 128, 32), (12, 768, 192), (4, 1024, 512),
+                      (24, 384, 96), (48, 192, 48), (8, 640, 320), (16, 320, 160)],
+            "generate": [(8, 256, 48), (32, 128, 32), (4, 512, 64), (16, 384, 40)],
+            "estimate_s": 50,
+        },
+        "quick": {
+            "config": dict(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                           num_heads=4, feed_forward_proj="gated-gelu"),
+            "train": [(2, 32, 8), (4, 16, 12)],
+            "generate": [(2, 16, 6)],
+            "estimate_s": 25,
+        },
+    },
+    "cnn": {
+        "family": "resnet",
+        "channels_last": True,
+        "cudnn_benchmark": True,
+        "what": "ResNet-50-shaped CNN, bf16 autocast, channels_last, cudnn.benchmark, varying batch and resolution",
+        "full": {
+            "config": dict(num_channels=3, embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],
+                           depths=[3, 4, 6, 3], layer_type="bottleneck", hidden_act="relu", num_labels=1000),
+            "train": [(64, 224), (32, 288), (128, 160), (16, 384), (96, 192), (48, 256), (8, 448), (112, 176),
+                      (24, 320), (80, 224), (64, 256), (32, 224)],
+            "generate": [],
+            "estimate_s": 45,
+        },
+        "quick": {
+            "config": dict(num_channels=3, embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1],
+                           layer_type="bottleneck", hidden_act="relu", num_labels=10),
+            "train": [(4, 32), (2, 48), (8, 40)],
+            "generate": [],
+            "estimate_s": 25,
+        },
+    },
+})
 DEFAULT_MODELS = ("llama", "bert", "moe")
 SEED = 1234
 
@@ -711,6 +785,12 @@ def build_model(transformers, family, cfg_kwargs, attn):
     elif family == "bert":
         cfg = transformers.BertConfig(**cfg_kwargs, pad_token_id=0, **common)
         model = transformers.BertForMaskedLM(cfg)
+    elif family == "gpt2":
+        cfg = transformers.GPT2Config(**cfg_kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0, **common)
+        model = transformers.GPT2LMHeadModel(cfg)
+    elif family == "t5":
+        cfg = transformers.T5Config(**cfg_kwargs, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **common)
+        model = transformers.T5ForConditionalGeneration(cfg)
     else:
         raise ValueError("unknown family " + family)
     return model, cfg, cfg.vocab_size
@@ -722,6 +802,11 @@ def make_batch(torch, family, shape, vocab, num_labels, g):
         b, side = shape
         return {"pixel_values": torch.randn(b, 3, side, side, generator=g),
                 "labels": torch.randint(0, num_labels, (b,), generator=g)}
+    if family == "t5":
+        b, src, tgt = shape
+        ids = torch.randint(5, vocab, (b, src), generator=g)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.randint(5, vocab, (b, tgt), generator=g)}
     b, s = shape
     ids = torch.randint(5, vocab, (b, s), generator=g)
     if family != "bert":
@@ -791,7 +876,10 @@ def run_workload(a, res, save, torch, transformers, t0):
             # allocation that changes no result here, only the timings.
             torch.utils.deterministic.fill_uninitialized_memory = False
         torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.benchmark = bool(MODELS[a.model].get("cudnn_benchmark"))
+    if torch.backends.cudnn.benchmark:
+        torch.backends.cudnn.deterministic = False  # its search picks among every algorithm
+    channels_last = bool(MODELS[a.model].get("channels_last"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda", 0)
@@ -850,6 +938,8 @@ def run_workload(a, res, save, torch, transformers, t0):
         res["parameters"] = sum(p.numel() for p in model.parameters())
         res["attn_implementation"] = str(getattr(cfg, "_attn_implementation", a.attn))
         model.to(dev)
+        if channels_last:
+            model.to(memory_format=torch.channels_last)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
         torch.cuda.synchronize()
@@ -870,6 +960,8 @@ def run_workload(a, res, save, torch, transformers, t0):
         for i, shape in enumerate(spec["train"]):
             n0 = alloc_count(torch, vt)
             batch = {k: v.to(dev) for k, v in make_batch(torch, family, shape, vocab, num_labels, g).items()}
+            if channels_last:
+                batch["pixel_values"] = batch["pixel_values"].contiguous(memory_format=torch.channels_last)
             d0 = driver_ns() if driver_ns else None
             s0 = time.perf_counter()
             out = train_step(torch, model, opt, batch)
@@ -922,7 +1014,8 @@ def run_workload(a, res, save, torch, transformers, t0):
                                              min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
                     torch.cuda.synchronize()
                     secs = time.perf_counter() - g0
-                    toks = out[:, p:].cpu()
+                    # An encoder-decoder returns the decoder's start token and the new ones.
+                    toks = (out[:, 1:] if model.config.is_encoder_decoder else out[:, p:]).cpu()
                     if tuple(toks.shape) != (b, n):
                         raise RuntimeError("generate call %d made %s tokens, not %s" % (i, tuple(toks.shape), (b, n)))
                     dsecs = (driver_ns() - d0) / 1e9 if driver_ns else None

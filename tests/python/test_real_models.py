@@ -252,12 +252,14 @@ class Pure(unittest.TestCase):
             for mode in ("quick", "full"):
                 w = m[mode]
                 self.assertTrue(w["train"], (name, mode))
-                for shape in w["train"]:
-                    self.assertTrue(len(shape) == 2 and all(isinstance(x, int) and x > 0 for x in shape))
+                for shape in w["train"]:  # t5: batch, source, target; else batch, sequence or image side
+                    self.assertEqual(len(shape), 3 if m["family"] == "t5" else 2, (name, mode))
+                    self.assertTrue(all(isinstance(x, int) and x > 0 for x in shape))
                 cfg = w["config"]
                 for b, p, n in w["generate"]:
-                    self.assertLessEqual(p + n, cfg["max_position_embeddings"], (name, mode))
-                if m["family"] in ("llama", "mixtral", "bert"):
+                    if m["family"] != "t5":  # relative positions: no table to outgrow
+                        self.assertLessEqual(p + n, cfg["max_position_embeddings"], (name, mode))
+                if m["family"] in ("llama", "mixtral", "bert", "gpt2"):
                     for b, s in w["train"]:
                         self.assertLessEqual(s, cfg["max_position_embeddings"], (name, mode))
                         self.assertLessEqual(b * s, 32768, (name, mode))  # logits and activations stay bounded
@@ -271,6 +273,11 @@ class Pure(unittest.TestCase):
         self.assertTrue(len({s for s in rm.MODELS["llama"]["full"]["train"]}) >= 10)  # shapes vary
         self.assertTrue(len({b for b, _, _ in rm.MODELS["llama"]["full"]["generate"]}) >= 4)
         self.assertTrue(len({b for b, _ in rm.MODELS["bert"]["full"]["train"]}) >= 10)
+        # The suite's processes vary what the processes varied.
+        self.assertTrue(len({b for b, _, _ in rm.MODELS["gpt2"]["full"]["generate"]}) >= 4)
+        self.assertTrue(len({(s, t) for _, s, t in rm.MODELS["t5"]["full"]["train"]}) >= 8)
+        self.assertTrue(len({side for _, side in rm.MODELS["cnn"]["full"]["train"]}) >= 8)
+        self.assertTrue(rm.MODELS["cnn"]["channels_last"] and rm.MODELS["cnn"]["cudnn_benchmark"])
 
     def test_child_env(self):
         a = argparse.Namespace(vmm_env={"VMMALLOC_RELEASE_THRESHOLD": "0"}, nondeterministic=False)

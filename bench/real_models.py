@@ -34,8 +34,8 @@ allocated (--models gpt2,t5,cnn; not in the default set):
   t5      a T5-base-style encoder-decoder in bf16 autocast on varying source and target lengths,
           then greedy generate() of varying batch and source length
   cnn     the ResNet-50 shape in bf16 autocast, channels_last, cudnn.benchmark on (its algorithm
-          search allocates workspaces of its own; losses then agree within --loss-rtol, not bit for
-          bit), varying batch and image resolution
+          search allocates workspaces of its own and picks algorithms per process: losses agree
+          within 2 %, not bit for bit), varying batch and image resolution
 
 Per run: peak held (caching, expandable: torch.cuda.max_memory_reserved; cudaMallocAsync: the
 pool's reserved high water from torch.cuda.memory_stats, else cuMemPoolGetAttribute(
@@ -252,14 +252,15 @@ MODELS.update({
         "family": "resnet",
         "channels_last": True,
         "cudnn_benchmark": True,
+        "loss_rtol": 2e-2,  # cudnn.benchmark chooses algorithms per process: losses moved 0.4 % on an H200
         "what": "ResNet-50-shaped CNN, bf16 autocast, channels_last, cudnn.benchmark, varying batch and resolution",
         "full": {
             "config": dict(num_channels=3, embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],
                            depths=[3, 4, 6, 3], layer_type="bottleneck", hidden_act="relu", num_labels=1000),
-            "train": [(64, 224), (32, 288), (128, 160), (16, 384), (96, 192), (48, 256), (8, 448), (112, 176),
-                      (24, 320), (80, 224), (64, 256), (32, 224)],
+            # cudnn.benchmark searches every new shape (~3-5 s each on an H200): 8 shapes.
+            "train": [(64, 224), (32, 288), (96, 160), (16, 384), (48, 256), (8, 448), (80, 192), (32, 320)],
             "generate": [],
-            "estimate_s": 45,
+            "estimate_s": 60,
         },
         "quick": {
             "config": dict(num_channels=3, embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1],
@@ -377,6 +378,7 @@ def compare_runs(runs, rtol):
         if not ok:
             continue
         ref = ok[0]
+        rtol_m = max(rtol, MODELS.get(model, {}).get("loss_rtol", 0.0))
         for r in ok[1:]:
             c = {"model": model, "allocator": run_label(r), "reference": run_label(ref), "mismatches": []}
             la, lb = ref.get("losses", []), r.get("losses", [])
@@ -390,8 +392,8 @@ def compare_runs(runs, rtol):
                     continue
                 rel = abs(x - y) / max(abs(x), 1e-30)
                 worst = max(worst, rel)
-                if abs(x - y) > rtol * abs(x) + 1e-12:
-                    c["mismatches"].append("loss of step %d: %.7g vs %.7g (relative %.2e > %.1e)" % (i, y, x, rel, rtol))
+                if abs(x - y) > rtol_m * abs(x) + 1e-12:
+                    c["mismatches"].append("loss of step %d: %.7g vs %.7g (relative %.2e > %.1e)" % (i, y, x, rel, rtol_m))
             c["losses_max_rel"] = worst
             ga, gb = ref.get("generate", []), r.get("generate", [])
             if not ga and not gb:

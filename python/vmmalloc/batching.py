@@ -37,15 +37,24 @@ so requests may arrive from others.
 """
 
 import collections
+import math
 import threading
 
 from ._lib import InvalidValueError, Status
 
-__all__ = ["Batch", "Request", "Scheduler"]
+__all__ = ["Batch", "Request", "Scheduler", "whole_page_tokens"]
 
 
 def _invalid(msg):
     return InvalidValueError(msg, Status.INVALID_VALUE)
+
+
+def whole_page_tokens(max_tokens, token_stride, page_size):
+    """The least n >= max_tokens whose n * token_stride bytes are whole pages: a cache made with
+    it has a sequence stride of exactly n tokens, so every sequence starts on a token row of one
+    strided view (what one attention call over all sequences needs). Costs only address space."""
+    step = page_size // math.gcd(int(token_stride), int(page_size))
+    return -(-int(max_tokens) // step) * step
 
 
 class Request:
@@ -107,10 +116,10 @@ class Batch:
 
 class Scheduler:
     """Continuous batching over `kv` (a KVCache with layout="per_sequence") within kv_budget_bytes
-    of pages; at most max_batch_tokens tokens per step and max_running sequences (default: the
-    cache's slots)."""
+    of pages; at most max_batch_tokens tokens per step, max_running sequences (default: the
+    cache's slots) and max_tokens tokens a sequence (default: the cache's)."""
 
-    def __init__(self, kv, kv_budget_bytes, max_batch_tokens=4096, max_running=None):
+    def __init__(self, kv, kv_budget_bytes, max_batch_tokens=4096, max_running=None, max_tokens=None):
         if getattr(kv, "layout_kind", None) != "per_sequence":
             raise _invalid("vmmalloc.Scheduler: the KVCache needs layout=\"per_sequence\" (one buffer, so one "
                            "partly filled page, per sequence)")
@@ -123,6 +132,8 @@ class Scheduler:
         if self.max_batch_tokens < 1:
             raise _invalid("vmmalloc.Scheduler: max_batch_tokens must be at least 1")
         self.max_running = kv.max_seqs if max_running is None else min(int(max_running), kv.max_seqs)
+        # Tokens a sequence may hold: the cache's, or less (a cache rounded up to whole pages).
+        self.max_tokens = kv.max_tokens if max_tokens is None else min(int(max_tokens), kv.max_tokens)
         if self.max_running < 1:
             raise _invalid("vmmalloc.Scheduler: max_running must be at least 1")
         self._lock = threading.Lock()
@@ -148,10 +159,10 @@ class Scheduler:
         max_new_tokens = int(max_new_tokens)
         # The last token generated is never fed back: the cache holds at most prompt + new - 1.
         longest = len(prompt) + max_new_tokens - 1
-        if longest > self.kv.max_tokens:
+        if longest > self.max_tokens:
             raise _invalid("vmmalloc.Scheduler.add: a prompt of %d tokens and %d new ones need %d tokens of cache; "
                            "the KVCache holds %d per sequence" % (len(prompt), max_new_tokens, longest,
-                                                                  self.kv.max_tokens))
+                                                                  self.max_tokens))
         if self.kv.pages_for(longest) > self.budget_pages:
             raise _invalid("vmmalloc.Scheduler.add: %d tokens need %d pages; the KV budget is %d pages"
                            % (longest, self.kv.pages_for(longest), self.budget_pages))

@@ -20,7 +20,8 @@ embeddings. The engine runs those modules itself over one packed batch of every 
 each layer writes the step's K and V (after rotary) into the cache with one index_copy_ each, and
 one attention call reads every sequence's K and V where they lie. The cache uses the
 per_sequence layout (one partly filled 2 MiB page per sequence), so sequence slot s's tokens of
-layer l are rows s * rows_per_seq + t of one strided [rows, kv_heads, head_dim] view per layer.
+layer l are rows s * rows_per_seq + t of one strided [rows, kv_heads, head_dim] view per layer (the
+cache's max_tokens is rounded up so that a sequence's stride is whole tokens: address space only).
 
 Attention ("auto"): FlashAttention's variable-length kernel (torch.ops.aten._flash_attention_forward
 with seqused_k: each sequence starts at its slot's row and reads only its own tokens; causal with
@@ -42,7 +43,7 @@ except ImportError as e:  # pragma: no cover - depends on the machine
     raise ImportError("vmmalloc.serve needs torch: %s" % e) from e
 
 from ._lib import InvalidValueError, Status
-from .batching import Scheduler
+from .batching import Scheduler, whole_page_tokens
 from .kv import KVCache
 
 __all__ = ["Engine"]
@@ -97,12 +98,18 @@ class Engine:
         self.scaling = attn0.scaling
         if max_tokens is None:
             max_tokens = int(getattr(cfg, "max_position_embeddings", 0) or 4096)
-        self.kv = KVCache(len(self._layers), self.kv_heads, self.head_dim, max_seqs, max_tokens, dtype=self.dtype,
-                          device=self.device.index or 0, layout="per_sequence")
-        self.scheduler = Scheduler(self.kv, kv_budget_bytes, max_batch_tokens=max_batch_tokens)
+
+        def cache(tokens):
+            return KVCache(len(self._layers), self.kv_heads, self.head_dim, max_seqs, tokens, dtype=self.dtype,
+                           device=self.device.index or 0, layout="per_sequence")
+
+        self.kv = cache(max_tokens)
+        if self.kv.seq_stride % self.kv.token_stride:  # e.g. 12 layers: sequences must start on a row
+            rounded = whole_page_tokens(max_tokens, self.kv.token_stride, self.kv.page_size)
+            self.kv.destroy()
+            self.kv = cache(rounded)
+        self.scheduler = Scheduler(self.kv, kv_budget_bytes, max_batch_tokens=max_batch_tokens, max_tokens=max_tokens)
         e = self.kv.elem_bytes
-        if self.kv.seq_stride % self.kv.token_stride:
-            raise _invalid("vmmalloc.serve.Engine: the sequence stride is not a whole number of tokens")
         self.rows_per_seq = self.kv.seq_stride // self.kv.token_stride
         rows = (self.kv.max_seqs - 1) * self.rows_per_seq + self.kv.max_tokens
         flat = self.kv.flat_tensor(self.dtype)

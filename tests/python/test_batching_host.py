@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.normpath(os.path.join(HERE, "..", "..", "python")))
 
 from vmmalloc import InvalidValueError, KVCache, OutOfMemoryError  # noqa: E402
-from vmmalloc.batching import Scheduler  # noqa: E402
+from vmmalloc.batching import Scheduler, whole_page_tokens  # noqa: E402
 
 GRAN = 4096  # host pages: 4 KiB; a token is 2 * 1 layer * 1 head * 4 dims * 2 bytes = 16 bytes: 256 per page
 
@@ -179,6 +179,24 @@ class SchedulerTest(unittest.TestCase):
             Scheduler(kv, GRAN - 1)
         with self.assertRaisesRegex(InvalidValueError, "max_batch_tokens"):
             Scheduler(kv, GRAN, max_batch_tokens=0)
+
+    def test_whole_page_tokens(self):
+        # 3 layers x 1 head x 4 dims x 2 bytes x K|V = 48-byte tokens: 4096 / 48 is not whole.
+        odd = KVCache.host(3, 1, 4, 2, 100, elem_bytes=2, host_granularity=GRAN, layout="per_sequence")
+        self.assertEqual(odd.token_stride, 48)
+        self.assertNotEqual(odd.seq_stride % odd.token_stride, 0)
+        n = whole_page_tokens(100, odd.token_stride, odd.page_size)
+        self.assertEqual(n, 256)  # 4096 / gcd(48, 4096) = 256 tokens: 3 pages exactly
+        kv = KVCache.host(3, 1, 4, 2, n, elem_bytes=2, host_granularity=GRAN, layout="per_sequence")
+        self.assertEqual(kv.seq_stride, n * kv.token_stride)
+        self.assertEqual(whole_page_tokens(256, 16, GRAN), 256)  # already whole: unchanged
+        self.assertEqual(whole_page_tokens(1, 16, GRAN), 256)
+        # The scheduler keeps the caller's limit when the cache was rounded up.
+        sched = Scheduler(kv, 3 * GRAN, max_tokens=100)
+        self.assertEqual(sched.max_tokens, 100)
+        with self.assertRaisesRegex(InvalidValueError, "holds 100 per sequence"):
+            sched.add([1] * 100, 2)
+        sched.add([1] * 99, 2)
 
     def test_failed_append_changes_nothing(self):
         # The backend holds 3 pages; the budget says 8: the fourth page's append fails.

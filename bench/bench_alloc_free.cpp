@@ -102,20 +102,18 @@ void bm_trace(benchmark::State& st) {
 // Pairs beside a growing thread: while the benchmark's threads make allocate + free pairs of
 // sizes above the small classes (256 KiB .. 4 MiB in turn, so each takes the allocator's lock),
 // one more thread keeps growing: a 256 MiB block (a chunk of its own: create + map + set_access)
-// at a time, 8 held, then freed and trimmed (unmap + release, under the lock). range(0):
-// options.grow_outside_lock. Time per iteration = one pair; counter growths = growths/s.
+// at a time, 8 held, then freed and trimmed (unmap + release, outside the lock). Time per
+// iteration = one pair; counter growths = growths/s.
 std::map<std::string, std::unique_ptr<peer>> g_growing;
 
 void bm_beside_growth(benchmark::State& st, bool cuda) {
-  const bool outside = st.range(0) != 0;
-  const std::string key = std::string(cuda ? "cuda" : "host") + (outside ? "/1" : "/0");
+  const std::string key = cuda ? "cuda" : "host";
   peer* a = nullptr;
   {
     std::lock_guard g(g_mu);
     auto& p = g_growing[key];
     if (!p) {
       vmm::options o;
-      o.grow_outside_lock = outside;
       try {
         p = cuda ? vmm::replay::make_vmmalloc_cuda(0, o) : vmm::replay::make_vmmalloc_host(std::size_t{256} << 30, o);
       } catch (const std::exception& e) {
@@ -169,7 +167,6 @@ void bm_beside_growth(benchmark::State& st, bool cuda) {
     st.counters["growths"] = benchmark::Counter(static_cast<double>(growths.load()), benchmark::Counter::kIsRate);
   }
   st.SetItemsProcessed(st.iterations());
-  st.SetLabel(outside ? "growth outside the lock" : "growth under the lock");
 }
 
 }  // namespace
@@ -189,9 +186,6 @@ int main(int argc, char** argv) {
     if (!have) continue;
     benchmark::RegisterBenchmark(cuda ? "beside_growth/vmmalloc_cuda" : "beside_growth/vmmalloc_host",
                                  bm_beside_growth, cuda)
-        ->ArgName("outside_lock")
-        ->Arg(0)
-        ->Arg(1)
         ->ThreadRange(1, 8)
         ->UseRealTime();
   }

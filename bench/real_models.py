@@ -10,7 +10,7 @@ first CUDA allocation and cannot change after), one after the other, on GPU 0:
   async        PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync
   vmmalloc     vmmalloc.torch.enable() before the first CUDA allocation (libvmmalloc_torch.so);
                --env KEY=VAL (repeatable) is passed to these runs only, e.g.
-               --env VMMALLOC_RELEASE_THRESHOLD=0 or --env VMMALLOC_OPTIONS=stitch_on_grow=0
+               --env VMMALLOC_RELEASE_THRESHOLD=0 or --env VMMALLOC_OPTIONS=thread_cache=0
                (any option by name), to compare variants
 
 Models, built from transformers configs with random weights (fixed seeds, nothing downloaded),

@@ -92,8 +92,8 @@ def self_test():
             want = min(cap, limit)
             if best != want or len(set(b for b, _ in tries)) != len(tries):
                 failures.append("limit %d cap %d: got %d (want %d), tries %s" % (limit, cap, best, want, tries))
-    if parse_variant("tc0:VMMALLOC_THREAD_CACHE=0,VMMALLOC_MAX_GROWTH=2M") != (
-            "tc0", {"VMMALLOC_THREAD_CACHE": "0", "VMMALLOC_MAX_GROWTH": "2M"}):
+    if parse_variant("tc0:VMMALLOC_THREAD_CACHE=0,VMMALLOC_RELEASE_THRESHOLD=0") != (
+            "tc0", {"VMMALLOC_THREAD_CACHE": "0", "VMMALLOC_RELEASE_THRESHOLD": "0"}):
         failures.append("parse_variant")
     for bad in ("x", ":A=1", "x:", "x:A=1,B"):
         try:

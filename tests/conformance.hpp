@@ -2,7 +2,8 @@
 // The conformance suite: every backend runs these same cases (host always; CUDA when a device is
 // present). A Traits type supplies:
 //   static constexpr const char* name;
-//   static vmm::allocator make(vmm::options o);          // fresh allocator on this backend
+//   static vmm::allocator make(vmm::options o, const vmm::tuning& t = {});  // fresh allocator on
+//                                                      // this backend (t: allocator_access::make)
 //   static void fill(void* p, std::size_t n, std::uint64_t seed);   // write a pattern (host: CPU,
 //   static bool verify(const void* p, std::size_t n, std::uint64_t seed);  // GPU: kernels)
 //   static bool device_memory(std::size_t& free, std::size_t& total);  // false: not applicable
@@ -20,6 +21,7 @@
 #include <random>
 #include <vector>
 
+#include "arena/tuning.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace conf {
@@ -197,10 +199,9 @@ TEST_CASE_TEMPLATE_DEFINE("conformance: random alloc/free sequences keep every i
 }
 
 TEST_CASE_TEMPLATE_DEFINE("conformance: growth across many chunks keeps earlier contents", T, conf_07) {
-  vmm::options o = conf::small_options();
-  o.max_growth = 0;  // no geometric growth: one granule per growth, so many chunks
-  o.stitch_on_grow = false;
-  auto a = T::make(o);
+  vmm::tuning t;
+  t.max_growth = 0;  // no geometric growth: one granule per growth, so many chunks
+  auto a = T::make(conf::small_options(), t);
   std::vector<void*> ps;
   for (int i = 0; i < 64; ++i) {
     void* p = a.allocate(1536 * conf::KiB);
@@ -216,13 +217,11 @@ TEST_CASE_TEMPLATE_DEFINE("conformance: growth across many chunks keeps earlier 
 }
 
 TEST_CASE_TEMPLATE_DEFINE("conformance: repeated growth is geometric (few driver calls)", T, conf_08) {
-  vmm::options o = conf::small_options();
-  o.max_growth = 32 * conf::MiB;
-  auto a = T::make(o);
+  auto a = T::make(conf::small_options());
   std::vector<void*> ps;
   for (int i = 0; i < 400; ++i) ps.push_back(a.allocate(300 * conf::KiB));  // 120 MB total
   auto s = a.stats();
-  // One 2 MiB chunk per growth would need ~58 creates; doubling up to 32 MiB needs far fewer.
+  // One 2 MiB chunk per growth would need ~58 creates; doubling up to 8 MiB needs about 17.
   CHECK(s.calls.create < 20);
   CHECK(s.mapped < 2 * s.allocated + 64 * conf::MiB);
   for (void* p : ps) a.deallocate(p);
@@ -230,11 +229,11 @@ TEST_CASE_TEMPLATE_DEFINE("conformance: repeated growth is geometric (few driver
 }
 
 TEST_CASE_TEMPLATE_DEFINE("conformance: a huge request is one mapping of handles of at most huge_chunk", T, conf_09) {
-  for (std::size_t hc : {std::size_t{0}, vmm::options{}.huge_chunk}) {
+  for (std::size_t hc : {std::size_t{0}, vmm::tuning{}.huge_chunk}) {
     CAPTURE(hc);
-    vmm::options o = conf::small_options();
-    o.huge_chunk = hc;
-    auto a = T::make(o);
+    vmm::tuning t;
+    t.huge_chunk = hc;
+    auto a = T::make(conf::small_options(), t);
     void* p = a.allocate(700 * conf::MiB);
     auto s = a.stats();
     const std::size_t handles = hc ? (700 * conf::MiB + hc - 1) / hc : 1;

@@ -43,10 +43,10 @@ std::uint64_t unit_stamp(std::uint64_t seed, std::size_t i) { return pattern_wor
 
 struct host_traits {
   static constexpr const char* name = "host";
-  static vmm::allocator make(vmm::options o) {
+  static vmm::allocator make(vmm::options o, const vmm::tuning& t = {}) {
     vmm::host_backend_options h;
     h.physical_limit = std::size_t{32} << 30;
-    return vmm::allocator::host(o, h);
+    return vmm::allocator_access::make(vmm::make_backend<vmm::host_backend>(h), o, t);
   }
   static void fill(void* p, std::size_t n, std::uint64_t seed) {
     auto* b = static_cast<std::uint8_t*>(p);
@@ -350,10 +350,10 @@ TEST_CASE("stats: driver calls and fences are timed") {
 }
 
 TEST_CASE("a huge request served from a free span block keeps its alignment") {
-  vmm::options o = conf::small_options();
-  o.huge_threshold = 16 * MiB;
-  o.thread_cache_large = false;
-  auto a = vmm::allocator::host(o);
+  vmm::tuning t;
+  t.huge_threshold = 16 * MiB;
+  t.thread_cache_large = false;
+  auto a = host_traits::make(conf::small_options(), t);
   void* off = a.allocate(3 * MiB + 256);  // the span's free memory starts off any power of two
   std::vector<void*> v;
   for (int i = 0; i < 8; ++i) v.push_back(a.allocate(8 * MiB));
@@ -371,16 +371,19 @@ TEST_CASE("a huge request served from a free span block keeps its alignment") {
   a.deallocate(off);
 }
 
-TEST_CASE("split_freed_huge: a freed huge block serves other sizes with no driver call, in stream order") {
+TEST_CASE("under a memory limit a freed huge block serves other sizes with no driver call, in stream order") {
+  // Freed huge blocks join the spans while a limit is set (what the limit lets the reclaim give
+  // back); without one a freed huge block is cached whole.
   for (bool split : {false, true}) {
     CAPTURE(split);
     vmm::options o = conf::small_options();
-    o.split_freed_huge = split;
-    o.split_cached_huge = false;  // without it a cached block is remapped, not split
-    o.thread_cache_large = false;
-    auto [hb, a] = vmm::test::make_host_alloc(o);
+    if (split) o.memory_limit = 8 * conf::GiB;  // set, never reached
+    vmm::tuning t;
+    t.split_cached_huge = false;  // without it a cached block is split anyway, not remapped
+    t.thread_cache_large = false;
+    auto [hb, a] = vmm::test::make_host_alloc(o, t);
     auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
-    const std::size_t huge = std::max<std::size_t>(o.huge_threshold, 64 * MiB) * 2;
+    const std::size_t huge = std::max<std::size_t>(t.huge_threshold, 64 * MiB) * 2;
     void* p = a.allocate(huge, 0, s1);
     a.deallocate(p, s1);
     const auto c0 = a.stats().calls.total();
@@ -422,15 +425,15 @@ TEST_CASE("split_freed_huge: a freed huge block serves other sizes with no drive
   }
 }
 
-TEST_CASE("split_cached_huge: a huge request up to 2x smaller splits a cached block, not remaps it") {
+TEST_CASE("a huge request up to 2x smaller splits a cached block, not remaps it") {
   for (bool split : {false, true}) {
     CAPTURE(split);
-    vmm::options o = conf::small_options();
-    o.split_cached_huge = split;
-    o.thread_cache_large = false;
-    auto [hb, a] = vmm::test::make_host_alloc(o);
+    vmm::tuning t;
+    t.split_cached_huge = split;
+    t.thread_cache_large = false;
+    auto [hb, a] = vmm::test::make_host_alloc(conf::small_options(), t);
     auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
-    const std::size_t huge = std::max<std::size_t>(o.huge_threshold, 64 * MiB) * 2;
+    const std::size_t huge = std::max<std::size_t>(t.huge_threshold, 64 * MiB) * 2;
     void* p = a.allocate(huge, 0, s1);
     a.deallocate(p, s1);  // cached whole
     const auto c0 = a.stats().calls.total();
@@ -466,17 +469,17 @@ TEST_CASE("split_cached_huge: a huge request up to 2x smaller splits a cached bl
   }
 }
 
-TEST_CASE("huge_chunk: a split huge block's wholly free handles serve the next huge request") {
+TEST_CASE("huge blocks in handles: a split huge block's wholly free handles serve the next huge request") {
   // One handle per huge block: a small block left in its memory keeps the whole handle mapped,
   // and a larger huge request creates all of its memory again. Handles of huge/8: only the one
   // holding the small block stays; the other seven are mapped again for the next request.
   for (bool chunked : {false, true}) {
     CAPTURE(chunked);
-    vmm::options o = conf::small_options();
-    o.thread_cache_large = false;
-    const std::size_t huge = std::max<std::size_t>(o.huge_threshold, 64 * MiB) * 2;
-    o.huge_chunk = chunked ? huge / 8 : 0;
-    auto [hb, a] = vmm::test::make_host_alloc(o);
+    vmm::tuning t;
+    t.thread_cache_large = false;
+    const std::size_t huge = std::max<std::size_t>(t.huge_threshold, 64 * MiB) * 2;
+    t.huge_chunk = chunked ? huge / 8 : 0;
+    auto [hb, a] = vmm::test::make_host_alloc(conf::small_options(), t);
     const auto c0 = a.stats().calls;
     void* p = a.allocate(huge);
     CHECK(a.stats().calls.create - c0.create == (chunked ? 8u : 1u));
@@ -501,22 +504,23 @@ TEST_CASE("huge_chunk: a split huge block's wholly free handles serve the next h
   }
 }
 
-TEST_CASE("limit_chunk: under a memory limit, pages freed beside a live block go back when the limit binds") {
+TEST_CASE("under a memory limit, pages freed beside a live block go back when the limit binds") {
   // One 24 MiB growth; a 22 MiB block and a 1 MiB block then share its memory, and the 22 MiB one
   // is freed. Under a 64 MiB limit a 48 MiB request fits only if the 16 MiB of wholly free pages
   // beside the live block can be given back: with one handle per growth (limit_chunk 0) they
   // cannot; with handles of 8 MiB two of the three go back. The limit set at construction and at
   // run time alike; without a limit the growth is one handle either way.
   enum class how { option, at_run_time, none };
-  for (std::size_t lc : {std::size_t{0}, vmm::options{}.limit_chunk})
+  for (std::size_t lc : {std::size_t{0}, vmm::tuning{}.limit_chunk})
     for (how h : {how::option, how::at_run_time, how::none}) {
       CAPTURE(lc);
       CAPTURE(static_cast<int>(h));
       vmm::options o = conf::small_options();
-      o.thread_cache_large = false;  // the freed block goes to the heap, not to this thread
-      o.limit_chunk = lc;
+      vmm::tuning t;
+      t.thread_cache_large = false;  // the freed block goes to the heap, not to this thread
+      t.limit_chunk = lc;
       if (h == how::option) o.memory_limit = 64 * MiB;
-      auto [hb, a] = vmm::test::make_host_alloc(o);
+      auto [hb, a] = vmm::test::make_host_alloc(o, t);
       if (h == how::at_run_time) a.set_memory_limit(64 * MiB);
       const bool chunked = lc && h != how::none;
       void* z = a.allocate(24 * MiB);
@@ -554,9 +558,9 @@ TEST_CASE("streams: memory freed on S while S runs behind serves S's next growth
   // The GPU behind the CPU: S's fences stay pending. Free chunks S alone may still use are
   // retired (their handles mapped where S's next request needs them, their old VA unmapped once
   // S catches up) instead of skipped; another stream never gets them early.
-  vmm::options o = conf::small_options();
-  o.max_growth = 2 * MiB;  // chunks of 2 MiB: a 3-chunk request must be stitched from them
-  auto [hb, a] = vmm::test::make_host_alloc(o);
+  vmm::tuning t;
+  t.max_growth = 2 * MiB;  // chunks of 2 MiB: a 3-chunk request must be stitched from them
+  auto [hb, a] = vmm::test::make_host_alloc(conf::small_options(), t);
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
   std::vector<void*> v;
   for (int i = 0; i < 6; ++i) v.push_back(a.allocate(2 * MiB, 0, s1));  // one chunk each
@@ -596,11 +600,11 @@ TEST_CASE("streams: a freed huge block larger than S's next request serves it wh
   // Training with varying shapes: a 96 MiB activation freed, a 70 MiB one asked for on the same
   // stream while the GPU is still behind. Its handle is mapped whole for the request (retired):
   // no new memory, where skipping the larger chunk created 70 MiB more.
-  vmm::options o = conf::small_options();
-  o.huge_threshold = 32 * MiB;
-  o.thread_cache_large = false;  // the heap's path, not this thread's cached block
-  o.split_cached_huge = false;   // the remapping path (the option would carve the block instead)
-  auto [hb, a] = vmm::test::make_host_alloc(o);
+  vmm::tuning t;
+  t.huge_threshold = 32 * MiB;
+  t.thread_cache_large = false;  // the heap's path, not this thread's cached block
+  t.split_cached_huge = false;   // the remapping path (splitting would carve the block instead)
+  auto [hb, a] = vmm::test::make_host_alloc(conf::small_options(), t);
   auto s1 = host_traits::stream(1);
   void* big = a.allocate(96 * MiB, 0, s1);
   host_traits::fill(big, 96 * MiB, 7);
@@ -832,8 +836,9 @@ TEST_CASE("policy: free_memory_margin gives free memory back before a growth tha
     vmm::options o;
     o.reservation_size = 4 * device;
     o.free_memory_margin = margin;
-    o.thread_cache_large = false;  // every block goes back to the heap at once
-    vmm::allocator a(vmm::test::make_fault_host(st, h), o);
+    vmm::tuning t;
+    t.thread_cache_large = false;  // every block goes back to the heap at once
+    auto a = vmm::allocator_access::make(vmm::test::make_fault_host(st, h), o, t);
     std::vector<void*> v;
     for (int i = 0; i < 16; ++i) v.push_back(a.allocate(16 * M));  // span A
     void* hb = a.allocate(300 * M);                                 // H: its own chunk after A
@@ -866,79 +871,6 @@ TEST_CASE("policy: free_memory_margin gives free memory back before a growth tha
   CHECK(short_.physical <= 620 * M);
   CHECK(short_.physical >= 600 * M);
   CHECK(short_.device_free >= off.device_free + 150 * M);
-}
-
-// Chunks freed long enough ago go back on a later free; recently freed ones stay. Sleeps are
-// generous against the 50 ms period: the test asserts order, not timing precision.
-TEST_CASE("policy: idle_decay_ms gives back free chunks unused for that long, on a later free") {
-  for (int decay : {0, 50}) {
-    CAPTURE(decay);
-    vmm::options o = conf::small_options();
-    o.idle_decay_ms = decay;
-    o.thread_cache_large = false;  // every free reaches the heap
-    auto a = vmm::allocator::host(o);
-    std::vector<void*> old;
-    for (int i = 0; i < 8; ++i) old.push_back(a.allocate(8 * MiB));
-    void* keep = a.allocate(8 * MiB);
-    for (void* p : old) a.deallocate(p);
-    const std::size_t held = a.stats().mapped;
-    CHECK(held >= 72 * MiB);  // all still mapped: freed just now
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    void* fresh = a.allocate(1 * MiB);
-    a.deallocate(fresh);  // a later free: the decay check runs here
-    const auto s = a.stats();
-    if (decay) {
-      CHECK(s.mapped < held);
-      CHECK(s.mapped <= 16 * MiB + 2 * MiB);  // what `keep` and the fresh block's chunk span
-    } else {
-      CHECK(s.mapped == held);
-    }
-    CHECK(a.check() == "");
-    a.deallocate(keep);
-  }
-}
-
-// A climb to a new high of live bytes (a first training step): steps of a share of what is mapped
-// instead of max_growth each; what stays unused at the peak is at most about one step.
-TEST_CASE("policy: peak_growth grows by a share of the mapped bytes while live bytes climb") {
-  struct outcome {
-    std::uint64_t creates;
-    std::size_t peak_physical, live;
-  };
-  auto climb = [](int pct) {
-    vmm::options o;
-    o.peak_growth = pct;
-    o.thread_cache_large = false;
-    auto a = vmm::allocator::host(o);
-    std::vector<void*> v;
-    for (int i = 0; i < 400; ++i) v.push_back(a.allocate(3 * MiB));
-    const auto s = a.stats();
-    outcome r{s.calls.create, s.peak_physical, s.allocated};
-    CHECK(a.check() == "");
-    for (void* p : v) a.deallocate(p);
-    return r;
-  };
-  const outcome off = climb(0), on = climb(10);
-  CAPTURE(off.creates);
-  CAPTURE(on.creates);
-  CHECK(off.live == on.live);
-  CHECK(off.creates >= 140);          // 1,200 MiB in steps of max_growth (8 MiB)
-  CHECK(on.creates * 2 < off.creates);  // steps of 10 % once that is more than 8 MiB
-  CHECK(off.peak_physical <= off.live + 8 * MiB);
-  CHECK(on.peak_physical <= on.live + on.live / 10 + 8 * MiB);
-}
-
-TEST_CASE("policy: peak_growth outside 0-100 is a clear error at creation") {
-  for (int bad : {-1, 101}) {
-    vmm::options o;
-    o.peak_growth = bad;
-    try {
-      auto a = vmm::allocator::host(o);
-      FAIL("accepted peak_growth " << bad);
-    } catch (const vmm::error& e) {
-      CHECK(std::string(e.what()).find("peak_growth") != std::string::npos);
-    }
-  }
 }
 
 TEST_CASE("policy: the default reservation is twice the device memory") {

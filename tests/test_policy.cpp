@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
 #include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.h"
@@ -39,16 +40,16 @@ std::uintptr_t u(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 struct faulty {
   std::shared_ptr<test::fault_state> st = std::make_shared<test::fault_state>();
   allocator a;
-  explicit faulty(const options& o, host_backend_options h = {})
-      : a(std::make_unique<test::fault_backend>(make_backend<host_backend>(h), st), o) {}
+  explicit faulty(const options& o, host_backend_options h = {}, const tuning& t = {})
+      : a(allocator_access::make(std::make_unique<test::fault_backend>(make_backend<host_backend>(h), st), o, t)) {}
   host_backend& host() { return *st->host; }
 };
 }  // namespace
 
 TEST_CASE("grant and revoke apply to every mapped run with one set_access each, and to later mappings") {
-  options o = small_reservation();
-  o.huge_threshold = 4 * MiB;  // dedicated chunks: easy to lay out runs
-  faulty f(o);
+  tuning t;
+  t.huge_threshold = 4 * MiB;  // dedicated chunks: easy to lay out runs
+  faulty f(small_reservation(), {}, t);
   void* a = f.a.allocate(4 * MiB);
   void* b = f.a.allocate(4 * MiB);
   void* c = f.a.allocate(4 * MiB);
@@ -93,9 +94,9 @@ TEST_CASE("grant and revoke apply to every mapped run with one set_access each, 
 }
 
 TEST_CASE("grant errors leave the access table and the mappings untouched") {
-  options o = small_reservation();
-  o.huge_threshold = 4 * MiB;
-  faulty f(o);  // host backend: devices 0 and 1
+  tuning t;
+  t.huge_threshold = 4 * MiB;
+  faulty f(small_reservation(), {}, t);  // host backend: devices 0 and 1
   void* a = f.a.allocate(4 * MiB);
   void* b = f.a.allocate(4 * MiB);
   f.a.deallocate(b);
@@ -269,8 +270,9 @@ TEST_CASE("span_free sees a freed block between live ones: its bytes, whole page
 TEST_CASE("an ipc policy puts every allocation on chunks of its own; export hands out exactly those") {
   options o = small_reservation();
   o.ipc = ipc_kind::posix_fd;
-  o.huge_chunk = 1;  // the granularity: still one handle an exportable allocation (one export each)
-  faulty f(o);
+  tuning t;
+  t.huge_chunk = 1;  // the granularity: still one handle an exportable allocation (one export each)
+  faulty f(o, {}, t);
   const std::size_t G = f.a.granularity();
   char* p = static_cast<char*>(f.a.allocate(100));
   char* q = static_cast<char*>(f.a.allocate(100));
@@ -354,7 +356,6 @@ TEST_CASE("export errors: no ipc policy, foreign, interior and freed pointers") 
 TEST_CASE("export failure part-way closes what was exported and leaves the allocation usable") {
   options o = small_reservation();
   o.ipc = ipc_kind::posix_fd;
-  o.stitch_on_grow = true;
   faulty f(o);
   const std::size_t G = f.a.granularity();
   // Two idle handles of G each make a 2G allocation out of two chunks.

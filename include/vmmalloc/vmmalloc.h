@@ -47,15 +47,12 @@ typedef struct vmm_policy {
   size_t reservation_size;    /* 0: 2 x device memory */
   size_t memory_limit;        /* 0: no limit beyond the device's */
   size_t release_threshold;   /* free bytes kept mapped; SIZE_MAX: keep all (default) */
-  size_t min_chunk;           /* 0: granularity */
-  size_t max_growth;          /* 0: 8 MiB */
   size_t alignment;           /* 0: 256 */
   size_t host_granularity;    /* host backend only; 0: 2 MiB */
   size_t host_physical_limit; /* host backend only; 0: 64 GiB simulated device memory */
   const char* trace_path;     /* NULL/"": off; else every malloc/free is written there (trace format) */
   size_t free_memory_margin;  /* 0: off; else free memory is given back first when a growth would
                                  leave the device less than this */
-  int idle_decay_ms;          /* 0: off; else free chunks unused this long are given back */
 } vmm_policy;
 
 typedef struct vmm_stats {

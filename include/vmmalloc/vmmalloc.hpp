@@ -30,6 +30,7 @@ namespace vmm {
 namespace ipc {
 struct export_handle;  // <vmmalloc/ipc.hpp>
 }
+struct tuning;  // the allocator's own sizes and thresholds (internal)
 
 class allocator {
  public:
@@ -155,6 +156,8 @@ class allocator {
  private:
   struct impl;  // src/frontend/allocator_impl.hpp: heap, arena, thread caches, trace
   friend struct allocator_access;
+  // The allocator's own choices other than the defaults (src/arena/tuning.hpp): tests and tools.
+  allocator(std::unique_ptr<backend_iface> b, const options& o, const tuning& t);
   std::unique_ptr<impl> p_;
 };
 

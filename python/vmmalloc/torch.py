@@ -11,7 +11,7 @@ The library is libvmmalloc_torch.so (src/integrations/, target vmmalloc_torch). 
 through, in order: its argument, $VMMALLOC_TORCH_LIB, the package's library folders (_paths.py),
 $VMMALLOC_LIB_DIR, the repository's build folders (build*/src/integrations/). Options come from the
 environment (VMMALLOC_RESERVATION, VMMALLOC_RELEASE_THRESHOLD, VMMALLOC_MEMORY_LIMIT, VMMALLOC_PEERS,
-VMMALLOC_TRACE, ...; VMMALLOC_OPTIONS="stitch_on_grow=0,max_growth=32M" for any option by name: see
+VMMALLOC_TRACE, ...; VMMALLOC_OPTIONS="release_threshold=1G,thread_cache=0" for any option by name: see
 src/integrations/vmmalloc_torch.h), read when a device's allocator is created.
 VMMALLOC_TRACE=run.trace records every allocation and free (trace format v2, docs/trace-format.md:
 stream, thread and time per event) for vmm-replay and vmm-plot; flush_trace() writes it mid-run.

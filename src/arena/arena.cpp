@@ -15,25 +15,21 @@ constexpr std::size_t round_up(std::size_t n, std::size_t g) { return (n + g - 1
 status fail(errc k, const char* op, const char* name) { return {k, 0, name, op}; }
 }  // namespace
 
-arena::arena(std::unique_ptr<backend_iface> b, const options& o)
-    : b_(std::move(b)), drv_(b_.get()), opt_(o), limit_(o.memory_limit) {}
+arena::arena(std::unique_ptr<backend_iface> b, const options& o, const tuning& t)
+    : b_(std::move(b)), drv_(b_.get()), opt_(o), tune_(t), limit_(o.memory_limit) {}
 
 status arena::open() {
   if (!b_) return fail(errc::invalid_value, "arena", "no backend");
   policies_ = policy::make_policies(opt_);
   for (auto& p : policies_) {
     if (status s = p->open(drv_, opt_, pol_); !s.ok()) return s;
-    whole_chunks_ = whole_chunks_ || p->whole_chunks(opt_);
+    whole_chunks_ = whole_chunks_ || (p->whole_chunks(opt_) && tune_.ipc_whole_chunks);
   }
   // Granularity: the largest among the devices involved (owner and peers).
-  auto g = vm::granularity_for(drv_, pol_.props, pol_.access, opt_.recommended_granularity);
+  auto g = vm::granularity_for(drv_, pol_.props, pol_.access);
   if (!g.ok()) return g.st;
   gran_ = g.value;
   gran_shift_ = static_cast<unsigned>(__builtin_ctzll(gran_));
-  if (opt_.peak_growth < 0 || opt_.peak_growth > 100)
-    return fail(errc::invalid_value, "arena", "peak_growth out of range (a percent, 0-100)");
-  if (opt_.min_chunk == 0) opt_.min_chunk = gran_;
-  opt_.min_chunk = round_up(opt_.min_chunk, gran_);
 
   std::size_t size = opt_.reservation_size;
   if (size == 0) {
@@ -230,8 +226,6 @@ void arena::lru_push(std::uint32_t id) {
   l.tail = id;
   l.bytes += c.size;
   free_chunk_bytes_ += c.size;
-  // Oldest at the head: idle decay walks from there. A clock read only where the option is set.
-  if (opt_.idle_decay_ms > 0) c.free_since = steady_ns();
 }
 
 void arena::lru_remove(std::uint32_t id) {

@@ -47,16 +47,11 @@
 #include "vm/mapping.hpp"
 #include "vm/reservation.hpp"
 #include "vmmalloc/backend.hpp"
+#include "arena/tuning.hpp"
 #include "vmmalloc/options.hpp"
 #include "vmmalloc/stats.hpp"
 
 namespace vmm {
-
-// Steady-clock nanoseconds: the timestamps of idle decay (options.idle_decay_ms).
-inline std::int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 struct arena_stats {
   std::size_t reserved = 0, mapped = 0, physical = 0, idle = 0, free_chunk_bytes = 0;
@@ -86,7 +81,6 @@ class arena {
     std::uint32_t owner = 0;    // heap's tag for this chunk (0 = heap-managed span, 1 = huge, ...)
     std::uint16_t heap = 0;     // which heap owns it (0: the allocator's; others: graph pools)
     bool compressed = false;    // what the driver granted (compression policy)
-    std::int64_t free_since = 0;  // steady-clock ns when it joined the free list (idle_decay_ms only)
   };
 
   // Driver work planned under the caller's lock (see the top). Everything it names is its own.
@@ -126,7 +120,7 @@ class arena {
     bool empty() const { return unmaps.empty() && releases.empty() && !maps(); }
   };
 
-  arena(std::unique_ptr<backend_iface> b, const options& o);
+  arena(std::unique_ptr<backend_iface> b, const options& o, const tuning& t = {});
   ~arena();  // runs the pending job, unmaps every chunk, releases every handle, frees the reservation
   arena(const arena&) = delete;
   arena& operator=(const arena&) = delete;
@@ -176,9 +170,8 @@ class arena {
   // for first; wait_out: instead of waiting, the stream of each unfinished fence is added there,
   // to be waited for outside the lock).
   status poll_retiring(bool wait, std::vector<stream_t>* wait_out = nullptr);
-  // Releases idle handles (in the pending job) until idle_bytes() <= keep. keep_retired: leave
-  // handles whose retired range is still mapped (releasing them frees nothing yet).
-  void release_idle(std::size_t keep, bool keep_retired = false);
+  // Releases idle handles (in the pending job) until idle_bytes() <= keep.
+  void release_idle(std::size_t keep);
   // Retries what refused undo work parked (before planning, trim, teardown): under the lock, a
   // rare path.
   status retry_strays();
@@ -235,6 +228,7 @@ class arena {
 
   vm::driver& drv() { return drv_; }
   const options& opts() const { return opt_; }  // as constructed
+  const tuning& tune() const { return tune_; }
   // The cap on physical bytes (held + mappings planned): options.memory_limit at construction,
   // then whatever set_memory_limit() stored last. Atomic so a set from any thread needs no lock;
   // a mapping planned under the lock meanwhile checks the old or the new value.
@@ -290,6 +284,7 @@ class arena {
   std::unique_ptr<backend_iface> b_;
   vm::driver drv_;
   options opt_;
+  tuning tune_;
   std::atomic<std::size_t> limit_;  // memory_limit()
   policy::list policies_;
   policy::state pol_;

@@ -69,8 +69,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     // Idle handles that could not serve this request only add to the footprint: the job releases
     // them before it creates (peak physical stays close to peak mapped). One whose retired range
     // is still mapped stays idle (its memory is not freed yet).
-    if (opt_.stitch_on_grow)
-      for (auto i = idle_.begin(); i != idle_.end(); ++i)
+    for (auto i = idle_.begin(); i != idle_.end(); ++i)
         if (!aliased(i->second, false, true) && std::find(unfit.begin(), unfit.end(), i) == unfit.end()) {
           unfit.push_back(i);
           releasing += i->first;
@@ -190,14 +189,13 @@ void arena::plan_release(mem_handle h, std::size_t size) {
   releasing_bytes_ += size;
 }
 
-void arena::release_idle(std::size_t keep, bool keep_retired) {
+void arena::release_idle(std::size_t keep) {
   (void)retry_strays();
   (void)poll_retiring(false);
   // Largest first: fewest driver calls for the bytes returned.
   auto it = idle_.end();
   while (idle_bytes_ > keep && it != idle_.begin()) {
     --it;
-    if (keep_retired && aliased(it->second, true)) continue;
     it = release_later(it);
   }
 }

@@ -89,7 +89,7 @@ void growable_buffer::open(std::size_t min_granularity) {
 
   // Granularity: the largest among the devices that will access the chunks (the arena's rule).
   std::string why;
-  auto g = vm::granularity_for(m.d, m.props, m.access, false, &why);
+  auto g = vm::granularity_for(m.d, m.props, m.access, &why);
   if (!g.ok()) throw_status(g.st, std::string(ctx) + ": " + why);
   gran_ = g.value;
   if (min_granularity) {  // shared: the allocator's handles must map at this buffer's granularity

@@ -30,8 +30,11 @@
 
 namespace vmm {
 
-allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(std::make_unique<impl>()) {
-  p_->ar = std::make_unique<arena>(std::move(b), o);
+allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : allocator(std::move(b), o, tuning{}) {}
+
+allocator::allocator(std::unique_ptr<backend_iface> b, const options& o, const tuning& t)
+    : p_(std::make_unique<impl>()) {
+  p_->ar = std::make_unique<arena>(std::move(b), o, t);
   status s = p_->ar->open();
   if (!s.ok()) throw_status(s, "vmm::allocator");
   p_->hp = std::make_unique<heap>(*p_->ar);
@@ -41,12 +44,12 @@ allocator::allocator(std::unique_ptr<backend_iface> b, const options& o) : p_(st
     if (status t = p_->trace->open(o.trace_path); !t.ok())
       throw_status(t, "vmm::allocator: trace file '" + o.trace_path + "': " + std::strerror(t.code));
   }
-  p_->tc_enabled = o.thread_cache && o.thread_cache_slots >= 2;
+  p_->tc_enabled = o.thread_cache && t.thread_cache_slots >= 2;
   // A cached large block keeps its memory mapped: not where freed memory is to go back at once
   // (a release threshold) or where every allocation owns exportable chunks.
-  p_->large_cache = p_->tc_enabled && o.thread_cache_large && !p_->ar->whole_chunks() &&
+  p_->large_cache = p_->tc_enabled && t.thread_cache_large && !p_->ar->whole_chunks() &&
                     o.release_threshold == std::numeric_limits<std::size_t>::max();
-  p_->tc_cap = std::max<std::size_t>(o.thread_cache_slots, 2);
+  p_->tc_cap = std::max<std::size_t>(t.thread_cache_slots, 2);
   p_->default_alignment = p_->ar->opts().alignment;
   p_->unit_class.push_back(0);
   for (std::size_t n = 256; p_->hp->small_class(n) >= 0; n += 256) {
@@ -89,6 +92,10 @@ allocator& allocator::operator=(allocator&& o) noexcept {
 }
 
 vm::handle_pool& allocator_access::pool(allocator& a) { return *a.p_; }
+
+allocator allocator_access::make(std::unique_ptr<backend_iface> b, const options& o, const tuning& t) {
+  return allocator(std::move(b), o, t);
+}
 
 allocator allocator::host(const options& o, const host_backend_options& h) {
   return allocator(make_backend<host_backend>(h), o);
@@ -254,7 +261,7 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
     const heap::outcome o = attempt(mode);
     m.hp->defer_waits(false);
     std::vector<stream_t> waits = m.hp->take_waits();
-    const status ran = m.settle(lk, m.outside() && grown < kRounds);
+    const status ran = m.settle(lk, grown < kRounds);
     if (o.addr) return {o.addr, {}};  // a refill may have planned a new slab after its slots
     if (o.grows) {
       // Each growth maps memory for this request and it is asked again at once: many rounds are
@@ -290,7 +297,7 @@ result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std:
 template <class F>
 void and_settle(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& f) {
   f();
-  (void)m.settle(lk, m.outside());
+  (void)m.settle(lk, true);
 }
 // The general paths: everything but the thread cache's pop and push (refills, flushes, large
 // blocks, the locked heap). Out of line, so the fast paths save and restore few registers.
@@ -602,10 +609,10 @@ void allocator::trim(std::size_t keep) {
     (void)m.ar->take_parked_error();  // what earlier calls' work met was theirs to report
     for (int round = 0; round < 2; ++round) {
       if (mine && round == 0) m.flush_cache(*mine, true);
-      m.hp->defer_waits(m.outside() && round == 0);
+      m.hp->defer_waits(round == 0);
       st = m.hp->trim(keep);
       m.hp->defer_waits(false);
-      (void)m.settle(g, m.outside());
+      (void)m.settle(g, true);
       if (status parked = m.ar->take_parked_error(); !parked.ok() && st.ok()) st = parked;  // a refused unmap or release
       std::vector<stream_t> waits = m.hp->take_waits();
       if (waits.empty() || !st.ok()) break;

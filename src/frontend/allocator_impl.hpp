@@ -102,8 +102,6 @@ struct allocator::impl final : vm::handle_pool {
   // thread; then commits it under lk and hands a new mapping to its heap. Returns the mapping's
   // outcome (ok when the job had none). Every call into the heap is followed by one.
   status settle(std::unique_lock<std::mutex>& lk, bool drop);
-  // Whether jobs run without the lock (options.grow_outside_lock).
-  bool outside() const { return ar->opts().grow_outside_lock; }
   // Waits without lk for the work queued so far on each stream (a fence recorded on each under
   // lk), then marks what those fences cover done in the own heap (heap::defer_waits). A stream
   // being captured, or whose fence the driver refuses, is left as it is.

@@ -100,7 +100,7 @@ void allocator::release_pool(pool_id id) {
   it->second.released = true;
   it->second.hp->set_private(false);
   m.drop_pool(id, it->second);
-  (void)m.settle(g, m.outside());  // the unmaps of what the pool gave back
+  (void)m.settle(g, true);  // the unmaps of what the pool gave back
 }
 
 bool allocator::pool_stats(pool_id id, pool_info& out) const {

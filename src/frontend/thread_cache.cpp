@@ -30,7 +30,7 @@ struct tl_caches {
         std::unique_lock h(o->mu);
         tcache& mine = *c;  // a name the lambda can capture (clang 14 does not capture bindings)
         o->flush_cache(mine, true);
-        (void)o->settle(h, o->outside());
+        (void)o->settle(h, true);
         o->hp->set_cache_tag(c->tag, false);  // its slabs are free for others to take
         std::erase(o->large_holders, c.get());
       }

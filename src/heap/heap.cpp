@@ -9,10 +9,10 @@ namespace vmm {
 
 
 heap::impl::impl(arena& ar, std::uint16_t id) : a(ar), hid(id), G(ar.granularity()), pages(ar.pages()) {
-  next_growth = ar.opts().min_chunk;
+  next_growth = G;
   // An ipc policy puts every allocation on chunks of its own (an importer must map nothing
   // else): no size classes, everything takes the huge path. Costs up to G - 1 bytes a block.
-  std::size_t small_max = whole_chunks() ? 0 : std::min<std::size_t>(ar.opts().small_max, G / 8);
+  std::size_t small_max = whole_chunks() ? 0 : std::min<std::size_t>(ar.tune().small_max, G / 8);
   small_max = small_max / kUnit * kUnit;
   for (std::size_t s = kUnit; s <= std::min<std::size_t>(2048, small_max); s += kUnit)
     class_size.push_back(static_cast<std::uint32_t>(s));
@@ -66,7 +66,7 @@ result<std::uintptr_t> heap::allocate_once(std::size_t n, std::size_t align, str
   if (n > m.a.reservation_size()) return {0, fail(errc::out_of_memory, "size larger than the reservation")};
   align = std::max(align, kUnit);
   if (n <= m.small_limit() && align <= kUnit) return m.allocate_small(n, s);
-  const bool huge = (n >= m.a.opts().huge_threshold || m.whole_chunks()) && align <= m.G;
+  const bool huge = (n >= m.a.tune().huge_threshold || m.whole_chunks()) && align <= m.G;
   result<impl::block*> r = huge ? m.allocate_huge(n, align, s) : m.allocate_large(n, align, s);
   if (!r.ok() || !r.value) return {0, r.st};  // an error, or no block (a growth planned, or none)
   m.note_alloc(n, r.value->size);

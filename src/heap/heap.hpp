@@ -89,7 +89,7 @@ class heap {
   // Export (ipc policy): the chunks under the live allocation starting at p, in VA order, its
   // requested bytes and where it starts in the first chunk. With whole chunks it marks the block
   // exported: when freed its chunks are released, never reused, so an importer that still maps
-  // them sees nothing but this allocation. Without (ipc_whole_chunks off) the chunks hold
+  // them sees nothing but this allocation. Without (tuning::ipc_whole_chunks off) the chunks hold
   // neighbours too, and are reused as usual once the block is freed.
   status export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& chunk_ids, std::size_t& bytes,
                        std::size_t& offset);

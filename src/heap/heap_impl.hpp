@@ -206,19 +206,19 @@ struct heap::impl {
 
   std::size_t small_limit() const { return class_size.empty() ? 0 : class_size.back(); }
   bool whole_chunks() const { return a.whole_chunks(); }  // placement policy (ipc)
-  // Under a memory limit (options.limit_chunk): smaller handles, freed huge blocks in the spans.
+  // Under a memory limit (tuning::limit_chunk): smaller handles, freed huge blocks in the spans.
   // Read per growth or free: the limit may be set or lifted at any time (set_memory_limit).
   bool limited() const {
-    return a.opts().limit_chunk && !whole_chunks() && a.memory_limit() != std::numeric_limits<std::size_t>::max();
+    return a.tune().limit_chunk && !whole_chunks() && a.memory_limit() != std::numeric_limits<std::size_t>::max();
   }
   // Largest handle a growth creates (0: one handle): for the spans, and for huge blocks.
-  std::size_t span_piece() const { return limited() ? a.opts().limit_chunk : 0; }
+  std::size_t span_piece() const { return limited() ? a.tune().limit_chunk : 0; }
   std::size_t huge_piece() const {
     if (whole_chunks()) return 0;
-    const std::size_t h = a.opts().huge_chunk, l = span_piece();
+    const std::size_t h = a.tune().huge_chunk, l = span_piece();
     return h && l ? std::min(h, l) : h | l;
   }
-  bool split_freed_huge() const { return a.opts().split_freed_huge || limited(); }
+  bool split_freed_huge() const { return limited(); }
 
   // ---- block pool and page chains ----
   block* new_block();
@@ -332,10 +332,6 @@ struct heap::impl {
   void complete_free(std::uintptr_t p, stream_t s);
 
   void maybe_release();
-  // idle_decay_ms: gives back free chunks that have been free that long (oldest first, those
-  // other streams' work still uses skipped), and idle handles once nothing grew for that long.
-  void decay_idle();
-  std::int64_t last_decay = 0, last_growth = 0;  // steady-clock ns (idle_decay_ms only)
   // Out-of-memory path: empty slabs, free chunks (into idle handles), deferred frees. true when
   // something was given back or is now idle for the retry to map.
   bool reclaim();
@@ -343,8 +339,8 @@ struct heap::impl {
   // free chunks have become idle handles (the growth maps those it can use, the caller releases
   // the rest once it has grown).
   bool relieve_pressure(std::size_t want, stream_t x);
-  // Before a growth maps `size` (spans and huge chunks alike): relieve_pressure, or else, with
-  // stitch_on_grow, wholly free chunks become idle handles the growth maps. pressed: the caller
+  // Before a growth maps `size` (spans and huge chunks alike): relieve_pressure, or else wholly
+  // free chunks become idle handles the growth maps (stitching). pressed: the caller
   // releases the idle handles its growth did not map.
   status prepare_growth(std::size_t size, stream_t x, bool& pressed);
   void destroy_empty_slabs();

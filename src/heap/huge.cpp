@@ -95,8 +95,8 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   if (!whole_chunks()) {
     // The smallest cached block up to twice the size is split instead of remapped: no driver
     // call, and the rest stays span memory for the next shapes (training changes its largest
-    // blocks' sizes every step; options.def has what it costs).
-    if (a.opts().split_cached_huge)
+    // blocks' sizes every step).
+    if (a.tune().split_cached_huge)
       for (auto it = huge_cache.upper_bound(size + size / 8); it != huge_cache.end() && it->first <= 2 * size; ++it) {
         block* b = it->second;
         if (!usable(b, x)) continue;
@@ -170,7 +170,7 @@ void heap::adopt(const arena::job& j) {
   m.grown(j.pressed);
 }
 
-void heap::growth_refused() { p_->next_growth = p_->a.opts().min_chunk; }
+void heap::growth_refused() { p_->next_growth = p_->G; }
 
 status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes,
                            std::size_t& offset) {
@@ -179,7 +179,7 @@ status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, st
     return fail(errc::not_supported, "export: the policy is not exportable (options.ipc is none)");
   std::uintptr_t from = 0, to = 0;  // the chunks covering [from, to) are exported
   if (!m.whole_chunks()) {
-    // Blocks share chunks (ipc_whole_chunks off): the chunks under the block, neighbours and all.
+    // Blocks share chunks (tuning::ipc_whole_chunks off): the chunks under the block, neighbours and all.
     // Nothing is marked: the block is freed and its chunks reused as any other.
     const std::size_t n = usable_size(p);
     if (!n) return fail(errc::invalid_pointer, "export: pointer is not the start of a live allocation");

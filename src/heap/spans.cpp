@@ -99,7 +99,6 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
 
 status heap::impl::grow(std::size_t need, stream_t x) {
   if (mode == grow_mode::never) return {};
-  if (a.opts().idle_decay_ms > 0) last_growth = steady_ns();
   std::size_t size = round_up(need, G);
   bool pressed = false;
   if (status e = prepare_growth(size, x, pressed); !e.ok()) return e;
@@ -116,13 +115,9 @@ status heap::impl::grow(std::size_t need, stream_t x) {
       found = true, at = end, best_tail = tail, ext = e;
     }
   }
-  // Repeated growth is geometric (driver cost is per call), capped by max_growth; after a growth
-  // the driver refused, exactly what is needed.
-  std::size_t geo = std::min(next_growth, std::max(a.opts().max_growth, G));
-  // At a new high of live bytes the process is still climbing: a step of peak_growth percent of
-  // what is mapped (options.def says what it saves).
-  if (const int pct = a.opts().peak_growth; pct > 0 && st.allocated >= st.peak_allocated)
-    geo = std::max(geo, round_up(a.mapped_bytes(hid) / 100 * static_cast<std::size_t>(pct), G));
+  // Repeated growth is geometric (driver cost is per call), capped by tuning::max_growth; after a
+  // growth the driver refused, exactly what is needed.
+  std::size_t geo = std::min(next_growth, std::max(a.tune().max_growth, G));
   if (mode == grow_mode::last_resort) geo = 0;
   std::size_t want = ext;
   if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
@@ -146,12 +141,12 @@ status heap::impl::grow(std::size_t need, stream_t x) {
 
 void heap::impl::grown(bool pressed) {
   // Repeated growth doubles (driver cost is per call) up to max_growth; pressure starts it over.
-  next_growth = pressed ? a.opts().min_chunk : std::min(next_growth * 2, std::max(a.opts().max_growth, G));
+  next_growth = pressed ? G : std::min(next_growth * 2, std::max(a.tune().max_growth, G));
 }
 
 status heap::impl::prepare_growth(std::size_t size, stream_t x, bool& pressed) {
   pressed = relieve_pressure(size, x);
-  if (!a.opts().stitch_on_grow || pressed) return {};
+  if (pressed) return {};
   return evict_free_chunks(size, true, false, &x);  // reuse wholly free chunks' physical memory
 }
 
@@ -219,7 +214,7 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
   auto& c = a.get(id);
   assert(c.used == 0);
   ++st.chunk_releases;
-  next_growth = a.opts().min_chunk;  // memory pressure: grow gently again
+  next_growth = G;  // memory pressure: grow gently again
   if (c.owner == kOwnerHuge) {
     block* b = block_at(c.va);
     if (!b) b = block_containing(c.va);
@@ -297,23 +292,8 @@ status heap::impl::release_chunk(std::uint32_t id, bool keep_handle, bool wait, 
   return {};
 }
 
-void heap::impl::decay_idle() {
-  const std::int64_t period = std::int64_t{a.opts().idle_decay_ms} * 1000000;
-  const std::int64_t now = steady_ns();
-  if (now - last_decay < std::max<std::int64_t>(period / 4, 1000000)) return;
-  last_decay = now;
-  std::uint32_t id = a.oldest_free_chunk(hid);
-  while (id != arena::no_chunk && now - a.get(id).free_since >= period) {
-    bool busy = false;
-    if (!release_chunk(id, false, false, busy).ok()) return;
-    id = busy ? a.get(id).lru_next : a.oldest_free_chunk(hid);
-  }
-  if (a.idle_bytes() && now - last_growth >= period) a.release_idle(0, true);
-}
-
 void heap::impl::maybe_release() {
   if (private_pool) return;
-  if (a.opts().idle_decay_ms > 0) decay_idle();
   const std::size_t keep = a.opts().release_threshold;
   if (a.free_chunk_bytes() + a.idle_bytes() <= keep) return;  // the common case: two loads
   a.release_idle(keep > a.free_chunk_bytes() ? keep - a.free_chunk_bytes() : 0);  // allocator-wide: the option is

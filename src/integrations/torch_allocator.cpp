@@ -24,9 +24,13 @@
 #include <new>
 #include <string>
 #include <utility>
+#include <string_view>
 #include <vector>
 
+#include <unistd.h>  // environ
+
 #include "torch_lib.hpp"
+#include "frontend/allocator_access.hpp"
 #include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -170,13 +174,28 @@ std::vector<std::pair<const vmm::option_info*, std::string>> options_list(const 
 //          the path itself and device d "<path>.<d>", so two devices never share a file (the trace:
 //          allocators live until exit, so buffered events are written by vmm_torch_flush_trace()
 //          and by an atexit handler; frees after that, during the last teardown, are not recorded)
+// A VMMALLOC_* variable that is none of these is refused, naming it (a typo, or a variable of
+// another version), as PyTorch refuses an unknown PYTORCH_CUDA_ALLOC_CONF key.
 // Throws env_error.
+void refuse_unknown_variables() {
+  static const char* const others[] = {"VMMALLOC_OPTIONS", "VMMALLOC_TORCH_BACKEND", "VMMALLOC_LIB_DIR",
+                                       "VMMALLOC_TORCH_LIB", "VMMALLOC_TORCH_EXT_LIB"};
+  for (char** e = environ; e && *e; ++e) {
+    const std::string_view kv = *e;
+    if (!kv.starts_with("VMMALLOC_")) continue;
+    const std::string_view name = kv.substr(0, kv.find('='));
+    bool known = std::any_of(std::begin(others), std::end(others), [&](const char* o) { return name == o; });
+    for (const vmm::option_info& row : vmm::option_table()) known = known || (!row.env.empty() && name == row.env);
+    if (!known)
+      throw env_error(std::string(name) + ": not a vmmalloc variable; the options and their variables are "
+                      "README.md's table (VMMALLOC_OPTIONS takes any of them by name)");
+  }
+}
+
 vmm::options options_from_env(int device, peer_spec& peers) {
+  refuse_unknown_variables();
   vmm::options o;
   o.device = device;
-  // Tensors share chunks also with VMMALLOC_IPC set (no 2 MiB floor per tensor); a shared
-  // tensor's handle carries the chunks under it, as PyTorch's own sharing does.
-  o.ipc_whole_chunks = false;
   auto apply = [&](const vmm::option_info& row, std::string text, const std::string& label) {
     std::string why;
     if (row.kind == vmm::option_kind::peers) {
@@ -248,7 +267,11 @@ void create(int d) {
 
   // Throws vmm::error when the arena cannot open; owned here until published, never freed after.
   vmm::backend_iface* be_ptr = b.get();
-  auto a = std::make_unique<vmm::allocator>(std::move(b), o);
+  // Tensors share chunks also with VMMALLOC_IPC set (no 2 MiB floor per tensor); a shared
+  // tensor's handle carries the chunks under it, as PyTorch's own sharing does.
+  vmm::tuning t;
+  t.ipc_whole_chunks = false;
+  auto a = std::make_unique<vmm::allocator>(vmm::allocator_access::make(std::move(b), o, t));
   std::string config = describe(*a, be.c_str());
   if (!o.trace_path.empty()) {
     static std::once_flag registered;

@@ -26,7 +26,7 @@
  *                               first event) and time (ns since the allocator was created); replay
  *                               it with vmm-replay (its threads and streams), plot it with vmm-plot
  *   VMMALLOC_OPTIONS            any row of the table by name, with or without a variable of its
- *                               own: "stitch_on_grow=0,max_growth=32M,peers=1,3" (an item with no
+ *                               own: "release_threshold=1G,peers=1,3" (an item with no
  *                               '=' continues the value before it). A row's own variable wins.
  * and one is not an option:
  *   VMMALLOC_TORCH_BACKEND      "cuda" (default) or "host": vmmalloc's host backend (host memory,
@@ -130,7 +130,7 @@ int64_t vmm_torch_memory_map(int device, uint64_t* out, int64_t n);
 /* ---- sharing with other processes (torch.multiprocessing's CUDA tensors) ----------------------
  * The extension's shareIpcHandle / getIpcDevPtr. Needs exportable memory: VMMALLOC_IPC=posix_fd
  * (set before the device's first allocation; blocks still share chunks here, as
- * VMMALLOC_IPC_WHOLE_CHUNKS defaults to 0 in this library). The handle names the chunks under the
+ * the library makes them share chunks, as PyTorch's own sharing does). The handle names the chunks under the
  * block (neighbours' bytes too, as PyTorch's own sharing does), this process's pid and the fd
  * numbers of those chunks; the receiver copies the fds with pidfd_getfd (Linux 5.6, and ptrace
  * rights over the sender: the same user, and under Yama ptrace_scope 1 the sender must be the

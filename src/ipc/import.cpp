@@ -102,7 +102,7 @@ status try_import(backend_iface& b, export_handle&& hin, const import_options& o
   props.id = o.device;
   props.ipc = h.chunks.front().handle.kind;
   std::string gwhy;
-  auto g = vm::granularity_for(d, props, o.peers, false, &gwhy);
+  auto g = vm::granularity_for(d, props, o.peers, &gwhy);
   if (!g.ok()) return backend_fail(g.st, gwhy);
   const std::size_t gran = g.value;
   for (std::size_t i = 0; i < h.chunks.size(); ++i)

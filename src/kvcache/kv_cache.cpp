@@ -482,7 +482,7 @@ kv_cache::kv_cache(std::unique_ptr<backend_iface> b, const kv_cache_config& c) {
   for (const auto& p : c.peers)
     if (p.device != c.device) m.access.push_back(p);
   std::string why;
-  auto g = vm::granularity_for(m.d, m.props, m.access, false, &why);
+  auto g = vm::granularity_for(m.d, m.props, m.access, &why);
   if (!g.ok()) {
     if (g.st.kind == errc::invalid_value) bad("peer cannot access the owner", ": " + why);
     throw_status(g.st, "vmm::kv_cache: " + why);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // IPC policy (options.ipc): exportable chunks. Every allocation owns whole chunks, so an export
-// never shares a neighbour's bytes (placement), unless options.ipc_whole_chunks is off. Fabric handles need an IMEX channel: where the
+// never shares a neighbour's bytes (placement), unless tuning::ipc_whole_chunks is off (the
+// PyTorch integration: tensors share chunks, as PyTorch's own sharing does). Fabric handles need an IMEX channel: where the
 // device or the driver refuses them, POSIX fds are used instead, as NCCL does (counted).
 #include "policy/policy.hpp"
 
@@ -31,7 +32,7 @@ class ipc final : public policy {
     ++s.ipc_fallbacks;
     return true;
   }
-  bool whole_chunks(const options& o) const override { return o.ipc != ipc_kind::none && o.ipc_whole_chunks; }
+  bool whole_chunks(const options& o) const override { return o.ipc != ipc_kind::none; }
 
  private:
   bool posix_ok_ = false;

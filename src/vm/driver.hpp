@@ -59,7 +59,7 @@ class driver {
   result<memory_info> mem_info() { relaxed r(*this, n_.ns); return note(n_.mem_info, b_->mem_info()); }
   // A handle is exported as a POSIX fd once (cuMemExportToShareableHandle took ~50 us on an
   // H200); later exports of it get a dup of that fd (~1 us, not counted as a
-  // driver call), and release() closes it. Blocks that share a chunk (ipc_whole_chunks off) are
+  // driver call), and release() closes it. Blocks that share a chunk (tuning::ipc_whole_chunks off) are
   // shared with one export of it. Every copy carries the export's id (shareable_handle::export_id).
   // Fabric handles are bytes: exported each time.
   result<shareable_handle> export_handle(mem_handle h, ipc_kind k);

@@ -7,8 +7,8 @@
 namespace vmm::vm {
 
 result<std::size_t> granularity_for(driver& d, const chunk_props& owner, std::span<const access_desc> others,
-                                    bool recommended, std::string* why) {
-  auto pick = [&](const granularity_info& g) { return recommended && g.recommended ? g.recommended : g.minimum; };
+                                    std::string* why) {
+  auto pick = [](const granularity_info& g) { return g.minimum; };
   auto g = d.granularity(owner);
   if (!g.ok()) {
     if (why) *why = "granularity of device " + std::to_string(owner.id);

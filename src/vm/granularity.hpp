@@ -13,9 +13,9 @@
 
 namespace vmm::vm {
 
-// recommended: the driver's recommended granularity instead of its minimum (equal on H100/H200).
+// The driver's minimum granularity (2 MiB on H100/H200, equal to its recommended one there).
 // why (optional) gets a full message naming the device that failed.
 result<std::size_t> granularity_for(driver& d, const chunk_props& owner, std::span<const access_desc> others,
-                                    bool recommended = false, std::string* why = nullptr);
+                                    std::string* why = nullptr);
 
 }  // namespace vmm::vm

@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
 #include "vmmalloc/vmmalloc.h"
 #include "vmmalloc/vmmalloc.hpp"
@@ -41,8 +42,12 @@ constexpr std::size_t KiB = std::size_t{1} << 10, MiB = std::size_t{1} << 20, Gi
 options opts() {
   options o;
   o.reservation_size = GiB;
-  o.huge_threshold = 16 * MiB;
   return o;
+}
+tuning tune() {
+  tuning t;
+  t.huge_threshold = 16 * MiB;
+  return t;
 }
 host_backend_options host_opts() {
   host_backend_options h;
@@ -54,7 +59,8 @@ host_backend_options host_opts() {
 struct fixture {
   std::shared_ptr<fault_state> st = std::make_shared<fault_state>();
   std::unique_ptr<allocator> a;
-  explicit fixture(const options& o = opts()) : a(std::make_unique<allocator>(make_fault_host(st, host_opts()), o)) {}
+  explicit fixture(const options& o = opts(), const tuning& t = tune())
+      : a(std::make_unique<allocator>(allocator_access::make(make_fault_host(st, host_opts()), o, t))) {}
   ~fixture() {
     a.reset();
     CHECK(st->nothing_live());
@@ -305,9 +311,9 @@ TEST_CASE("SIZE_MAX and sizes near it: out_of_memory, no overflow") {
 }
 
 TEST_CASE("near-reservation sizes through the large path (no huge path): out_of_memory, no overflow") {
-  options o = opts();
-  o.huge_threshold = SIZE_MAX;  // everything above small goes through TLSF spans and grow()
-  fixture f(o);
+  tuning t;
+  t.huge_threshold = SIZE_MAX;  // everything above small goes through TLSF spans and grow()
+  fixture f(opts(), t);
   for (std::size_t n : {GiB, GiB - 1, GiB - 256, 900 * MiB})
     for (std::size_t align : {std::size_t{0}, std::size_t{1} << 20})
       expect_bad_alloc(*f.a, n, align, errc::out_of_memory, compare::backend_oom);

@@ -24,8 +24,12 @@ stream_t S(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t
 options opts() {
   options o;
   o.reservation_size = 4 * GiB;
-  o.huge_threshold = 64 * MiB;
   return o;
+}
+tuning tune() {
+  tuning t;
+  t.huge_threshold = 64 * MiB;
+  return t;
 }
 // Ends the capture and says why it was invalidated (empty: it was not).
 std::string end(host_backend* hb, stream_t s) {
@@ -36,7 +40,7 @@ std::string end(host_backend* hb, stream_t s) {
 }  // namespace
 
 TEST_CASE("capture: allocations that need growth, on every path, leave a global capture valid") {
-  auto ha = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   for (std::size_t n : {std::size_t{256}, 48 * KiB, 3 * MiB, 100 * MiB}) {  // cache/slab, large, huge
@@ -53,7 +57,7 @@ TEST_CASE("capture: allocations that need growth, on every path, leave a global 
 }
 
 TEST_CASE("capture: without the relaxed mode the model refuses growth (the model works)") {
-  auto ha = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   REQUIRE(hb->begin_capture(S(1)) != 0);
@@ -64,7 +68,7 @@ TEST_CASE("capture: without the relaxed mode the model refuses growth (the model
 }
 
 TEST_CASE("capture: another thread's global capture survives this thread's growth, trim and stats") {
-  auto ha = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   std::atomic<int> phase{0};
@@ -87,7 +91,7 @@ TEST_CASE("capture: another thread's global capture survives this thread's growt
 }
 
 TEST_CASE("capture: no fence is recorded on a capturing stream; what waits on it waits for the end") {
-  auto ha = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   // A large block freed on S1 during S1's capture: S2 may not reuse it (a fence on S1 would be a
@@ -114,9 +118,9 @@ TEST_CASE("capture: no fence is recorded on a capturing stream; what waits on it
 }
 
 TEST_CASE("capture: memory freed on S while S runs behind is not retired during S's capture") {
-  options o = opts();
-  o.max_growth = 2 * MiB;
-  auto ha = make_host_alloc(o);
+  tuning t = tune();
+  t.max_growth = 2 * MiB;
+  auto ha = make_host_alloc(opts(), t);
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   std::vector<void*> v;
@@ -137,7 +141,7 @@ TEST_CASE("capture: memory freed on S while S runs behind is not retired during 
 }
 
 TEST_CASE("graph pools: a capture's memory is its own until released; frees inside are reused inside only") {
-  auto ha = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   const stream_t cs = S(1);
@@ -176,7 +180,7 @@ TEST_CASE("graph pools: a capture's memory is its own until released; frees insi
 }
 
 TEST_CASE("graph pools: two captures share a pool; two pools at once") {
-  auto ha = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   a.begin_pool(1, [](stream_t s) { return s == S(1); });
@@ -201,7 +205,7 @@ TEST_CASE("graph pools: two captures share a pool; two pools at once") {
 }
 
 TEST_CASE("graph pools: bad input is a clear error and loses nothing") {
-  auto ha = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   CHECK_THROWS_WITH_AS(a.end_pool(3), doctest::Contains("never begun"), vmm::error);
@@ -247,7 +251,7 @@ TEST_CASE("graph pools through the C API") {
 }
 
 TEST_CASE("graph pools: pool_stats, pool_of and owns say where a block lives") {
-  auto ha = make_host_alloc(opts());
+  auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   allocator::pool_info pi;
@@ -294,7 +298,7 @@ TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by ca
   for (std::size_t n : {std::size_t{256}, 64 * KiB, 1 * MiB, 32 * MiB, 128 * MiB}) {
     CAPTURE(n);
     CAPTURE(held);
-    auto ha = make_host_alloc(opts());
+    auto ha = make_host_alloc(opts(), tune());
     [[maybe_unused]] auto* hb = ha.hb;
     auto& a = ha.a;
     const stream_t cs = S(1);

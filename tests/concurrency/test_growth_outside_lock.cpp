@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "frontend/allocator_access.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -86,11 +87,11 @@ class gate_backend final : public forwarding_backend {
 struct fixture {
   gate_backend* gate = nullptr;
   std::unique_ptr<allocator> a;
-  explicit fixture(options o = {}) {
+  explicit fixture(options o = {}, const tuning& t = {}) {
     o.reservation_size = 8 * GiB;
     auto g = std::make_unique<gate_backend>(make_backend<host_backend>());
     gate = g.get();
-    a = std::make_unique<allocator>(std::move(g), o);
+    a = std::make_unique<allocator>(allocator_access::make(std::move(g), o, t));
   }
   // A test that stopped early must not leave its gate armed or closed for the teardown's calls.
   ~fixture() {
@@ -219,9 +220,9 @@ TEST_CASE("other threads allocate while a growth unmaps retired ranges") {
   // Chunks freed on S1 while S1 runs behind are retired: their handles serve S1's next request,
   // their old VA stays mapped until S1's fence completes. The next growth unmaps those ranges
   // with its own driver calls, outside the lock (they used to be unmapped under it).
-  options o;
-  o.max_growth = 2 * MiB;  // chunks of 2 MiB: the 6 MiB request is stitched from freed ones
-  fixture f(o);
+  tuning t;
+  t.max_growth = 2 * MiB;  // chunks of 2 MiB: the 6 MiB request is stitched from freed ones
+  fixture f({}, t);
   allocator& a = *f.a;
   auto& hb = *backend_cast<host_backend>(f.gate->inner());
   const stream_t s1 = reinterpret_cast<stream_t>(std::uintptr_t{1});

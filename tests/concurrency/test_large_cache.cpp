@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include "frontend/allocator_access.hpp"
+#include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 using namespace vmm;
@@ -18,11 +20,13 @@ using namespace vmm;
 namespace {
 constexpr std::size_t KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024;
 stream_t S(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
-options opts() {
+// Huge from 32 MiB: both paths with small sizes.
+allocator make() {
   options o;
   o.reservation_size = 4 * GiB;
-  o.huge_threshold = 32 * MiB;
-  return o;
+  tuning t;
+  t.huge_threshold = 32 * MiB;
+  return allocator_access::make(make_backend<host_backend>(), o, t);
 }
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr int kScale = 1;
@@ -32,7 +36,7 @@ constexpr int kScale = 5;
 }  // namespace
 
 TEST_CASE("large cache: a pair takes the same block back, no heap call; stats see it as free") {
-  auto a = allocator::host(opts());
+  auto a = make();
   for (std::size_t n : {256 * KiB, 1 * MiB, 16 * MiB, 100 * MiB}) {  // large and huge paths
     CAPTURE(n);
     void* p = a.allocate(n);
@@ -55,7 +59,7 @@ TEST_CASE("large cache: a pair takes the same block back, no heap call; stats se
 }
 
 TEST_CASE("large cache: a double free after the cached free is refused and changes nothing") {
-  auto a = allocator::host(opts());
+  auto a = make();
   void* p = a.allocate(1 * MiB);
   a.deallocate(p);
   const auto before = a.stats();
@@ -68,7 +72,7 @@ TEST_CASE("large cache: a double free after the cached free is refused and chang
 }
 
 TEST_CASE("large cache: another thread frees the block; the owner's stale reference never matches") {
-  auto a = allocator::host(opts());
+  auto a = make();
   void* p = a.allocate(2 * MiB);  // this thread's cache remembers p
   std::thread([&] { a.deallocate(p); }).join();  // freed on another thread: the locked path
   CHECK(a.try_deallocate(p).kind == errc::invalid_pointer);  // a double free: refused
@@ -85,7 +89,7 @@ TEST_CASE("large cache: another thread frees the block; the owner's stale refere
 }
 
 TEST_CASE("large cache: record_stream keeps the block out of the cache (its free waits for the stream)") {
-  auto a = allocator::host(opts());
+  auto a = make();
   void* p = a.allocate(1 * MiB, 0, S(1));
   a.record_stream(p, S(2));
   a.deallocate(p, S(1));
@@ -96,7 +100,7 @@ TEST_CASE("large cache: record_stream keeps the block out of the cache (its free
 }
 
 TEST_CASE("large cache: a thread's cached block goes back when the thread ends") {
-  auto a = allocator::host(opts());
+  auto a = make();
   std::thread([&] {
     void* p = a.allocate(8 * MiB);
     a.deallocate(p);
@@ -107,7 +111,7 @@ TEST_CASE("large cache: a thread's cached block goes back when the thread ends")
 }
 
 TEST_CASE("large cache: many threads, pairs and cross-thread frees of mid and large sizes") {
-  auto a = allocator::host(opts());
+  auto a = make();
   const int threads = 6, rounds = 2000 * kScale;
   std::vector<std::atomic<void*>> mailbox(threads);
   for (auto& m : mailbox) m = nullptr;
@@ -148,7 +152,7 @@ TEST_CASE("large cache: many threads, pairs and cross-thread frees of mid and la
 TEST_CASE("large cache: another thread's request takes a cached block back before the heap grows") {
   for (std::size_t n : {16 * MiB, 64 * MiB}) {  // the large path and the huge path
     CAPTURE(n);
-    auto a = allocator::host(opts());
+    auto a = make();
     std::barrier sync(2);
     void* mine = nullptr;
     std::thread owner([&] {
@@ -188,7 +192,7 @@ TEST_CASE("large cache: another thread's request takes a cached block back befor
 // grower thread gives free memory back (trim) and asks for more, so every few of its requests
 // grow the heap and take back whatever the other threads hold cached at that moment.
 TEST_CASE("large cache: pairs on many threads while growths take cached blocks back") {
-  auto a = allocator::host(opts());
+  auto a = make();
   const int threads = 4, rounds = 300 * kScale;
   std::atomic<bool> stop{false};
   std::atomic<int> bad{0};

@@ -2,7 +2,7 @@
 // Reliability under concurrency and pressure, on the host backend (CI runs these in the plain,
 // ASan and TSan trees):
 //   * options.memory_limit is a hard cap: peak_physical <= memory_limit with many threads,
-//     growths of one handle or of several (huge_chunk, limit_chunk)
+//     growths of one handle or of several (the allocator's huge_chunk and limit_chunk)
 //   * free memory is reclaimed before out-of-memory: after every free, limit - granularity fits
 //     without a trim()
 //   * a racing double free (with trim() beside it) is refused, never a use-after-free
@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "frontend/allocator_access.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -119,15 +120,16 @@ struct background_churn {
 
 TEST_CASE("memory_limit is a hard cap: six threads of mixed sizes never exceed it") {
   const std::size_t limit = 64 * MiB;
-  options o = limited(limit);
-  o.huge_threshold = 16 * MiB;
+  const options o = limited(limit);
+  tuning t;
+  t.huge_threshold = 16 * MiB;
   // One handle a growth (limit_chunk 0), and growths of several handles (4 MiB huge, 8 MiB span
   // handles: several creates in one growth, freed huge blocks joining the spans).
   for (int round = 0; round < 4 * kScale; ++round) {
-    o.huge_chunk = round % 2 ? 4 * MiB : 0;
-    o.limit_chunk = round % 2 ? options{}.limit_chunk : 0;
-    CAPTURE(o.huge_chunk);
-    auto a = allocator::host(o);
+    t.huge_chunk = round % 2 ? 4 * MiB : 0;
+    t.limit_chunk = round % 2 ? tuning{}.limit_chunk : 0;
+    CAPTURE(t.huge_chunk);
+    auto a = allocator_access::make(make_backend<host_backend>(), o, t);
     run_result res;
     std::vector<std::thread> ts;
     for (int t = 0; t < 6; ++t) ts.emplace_back([&, t] { churn(a, round * 100 + t, 400, 6, res); });
@@ -196,9 +198,9 @@ TEST_CASE("six threads, a memory limit and trim(): never two driver calls at onc
 
 TEST_CASE("pressure: after every free, limit - granularity fits without trim()") {
   const std::size_t limit = 64 * MiB;
-  options o = limited(limit);
-  o.huge_threshold = 16 * MiB;
-  auto a = allocator::host(o);
+  tuning t;
+  t.huge_threshold = 16 * MiB;
+  auto a = allocator_access::make(make_backend<host_backend>(), limited(limit), t);
   run_result res;
   std::vector<std::thread> ts;
   for (int t = 0; t < 6; ++t) ts.emplace_back([&, t] { churn(a, 1000 + t, 300 * kScale, 6, res); });
@@ -250,9 +252,9 @@ TEST_CASE("set_memory_limit: lowered below what is held, then raised; the messag
 
 TEST_CASE("set_memory_limit from another thread while six threads allocate: each phase's cap holds") {
   const std::size_t high = 96 * MiB, low = 32 * MiB;
-  options o = limited(high);
-  o.huge_threshold = 16 * MiB;
-  auto a = allocator::host(o);
+  tuning t;
+  t.huge_threshold = 16 * MiB;
+  auto a = allocator_access::make(make_backend<host_backend>(), limited(high), t);
   std::atomic<bool> done{false};
   // Flips between the two limits: growths read it under their lock, the set takes none.
   std::thread flipper([&] {
@@ -312,9 +314,10 @@ TEST_CASE("a racing double free beside trim() is refused, never a use-after-free
   // slot with a compare-exchange.
   options o;
   o.reservation_size = GiB;
-  o.thread_cache_slots = 2;  // the allocating thread caches one slot at a time: p is alone in its slab
+  tuning t;
+  t.thread_cache_slots = 2;  // the allocating thread caches one slot at a time: p is alone in its slab
   const std::size_t size = 48 * KiB;
-  auto a = allocator::host(o);
+  auto a = allocator_access::make(make_backend<host_backend>(), o, t);
   const int rounds = 4000 * kScale, freers = 4;
   const stream_t other = reinterpret_cast<stream_t>(std::uintptr_t{7});
   std::atomic<void*> target{nullptr};
@@ -360,8 +363,9 @@ TEST_CASE("stale frees beside trim() and slab turnover read only valid metadata"
   // never read or write a slab that trim() destroyed.
   options o;
   o.reservation_size = GiB;
-  o.thread_cache_slots = 2;
-  auto a = allocator::host(o);
+  tuning t;
+  t.thread_cache_slots = 2;
+  auto a = allocator_access::make(make_backend<host_backend>(), o, t);
   constexpr int kBatch = 64;
   std::atomic<bool> stop{false};
   std::array<std::atomic<std::uintptr_t>, kBatch> stale{};
@@ -400,8 +404,9 @@ TEST_CASE("a thread frees the slot it handed out last after its slab was set up 
   // slot, not the one its old reference names (a live block of the other thread).
   options o;
   o.reservation_size = GiB;
-  o.thread_cache_slots = 2;  // one slot per refill: slots come in index order
-  auto a = allocator::host(o);
+  tuning t;
+  t.thread_cache_slots = 2;  // one slot per refill: slots come in index order
+  auto a = allocator_access::make(make_backend<host_backend>(), o, t);
   const std::size_t big = 512, small = 256;
   void* p0 = a.allocate(big);  // slot 0 of a fresh slab
   void* p = a.allocate(big);   // slot 1, at 512 B: the one this thread handed out last

@@ -38,6 +38,8 @@
 #include <vector>
 
 #include "fault/pattern.hpp"
+#include "frontend/allocator_access.hpp"
+#include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -87,7 +89,7 @@ struct tally {
 };
 
 // Sizes: small (64 B .. 64 KiB), mid (64 KiB .. 2 MiB), large (2 .. 8 MiB), huge (8 .. 24 MiB,
-// options.huge_threshold = 8 MiB).
+// the allocator's huge threshold set to 8 MiB).
 std::size_t pick_size(std::mt19937_64& r) {
   const unsigned k = static_cast<unsigned>(r() % 100);
   auto in = [&](std::size_t lo, std::size_t hi) { return lo + r() % (hi - lo); };
@@ -100,9 +102,13 @@ std::size_t pick_size(std::mt19937_64& r) {
 options stress_options(std::size_t limit) {
   options o;
   o.reservation_size = 8 * GiB;
-  o.huge_threshold = 8 * MiB;
   o.memory_limit = limit;
   return o;
+}
+tuning stress_tuning() {
+  tuning t;
+  t.huge_threshold = 8 * MiB;
+  return t;
 }
 
 struct shared_state {
@@ -325,10 +331,10 @@ void run_stress(bool limited) {
   h.reuse_handles = true;  // as the driver: a stale handle value names a newer handle
   auto b = make_backend<host_backend>(h);
   host_backend* hb = backend_cast<host_backend>(*b);
-  allocator a(std::move(b), stress_options(limit));
+  allocator a = allocator_access::make(std::move(b), stress_options(limit), stress_tuning());
   options io = stress_options(ipc_limit);
   io.ipc = ipc_kind::posix_fd;
-  allocator ia = allocator::host(io);
+  allocator ia = allocator_access::make(make_backend<host_backend>(), io, stress_tuning());
 
   shared_state s;
   s.a = &a;

@@ -102,13 +102,21 @@ sweep_tally sweep_pair(const char* title, const pair_spec& pr, std::uint64_t cal
 options small_opts() {
   options o;
   o.reservation_size = std::size_t{1} << 30;
-  o.huge_threshold = 4 * MiB;
-  o.thread_cache_large = false;  // frees go straight back: the cases lay out free chunks exactly
   return o;
+}
+tuning small_tuning() {
+  tuning t;
+  t.huge_threshold = 4 * MiB;
+  t.thread_cache_large = false;  // frees go straight back: the cases lay out free chunks exactly
+  return t;
+}
+// An allocator over the fault backend with these cases' options (o) and sizes.
+allocator make(std::unique_ptr<backend_iface> b, const options& o = small_opts()) {
+  return allocator_access::make(std::move(b), o, small_tuning());
 }
 
 // Two huge blocks of 4 MiB, freed: two free chunks (release threshold max keeps them). A 12 MiB
-// request then unmaps them into idle handles (stitch_on_grow) and maps three pieces: idle, idle,
+// request then unmaps them into idle handles (stitching) and maps three pieces: idle, idle,
 // created, in that order.
 void two_free_chunks(allocator& a) {
   void* x = a.allocate(4 * MiB);
@@ -131,13 +139,13 @@ TEST_CASE("fill_reservation reports a range the arena counts as a hole while it 
   host_backend* hb = backend_cast<host_backend>(*host);
   auto st = std::make_shared<fault_state>();
   {
-    allocator a(make_fault_over(*host, st), small_opts());
+    allocator a = make(make_fault_over(*host, st));
     void* p = a.allocate(8 * MiB);
     a.deallocate(p);
     a.trim(0);  // p's range is a hole again
     std::vector<std::string> problems;
     auto problem = [&](const std::string& s) { problems.push_back(s); };
-    fill_reservation(a, problem, "clean");
+    fill_reservation(a, problem, "clean", 0, 4 * MiB);
     CHECK(problems.empty());
     a.trim(0);
     // Map a handle behind the allocator's back where it will map next: the lowest hole.
@@ -145,7 +153,7 @@ TEST_CASE("fill_reservation reports a range the arena counts as a hole while it 
     REQUIRE(h.ok());
     const auto at = reinterpret_cast<std::uintptr_t>(p);
     REQUIRE(hb->map(at, a.granularity(), h.value, 0).ok());
-    fill_reservation(a, problem, "foreign mapping");
+    fill_reservation(a, problem, "foreign mapping", 0, 4 * MiB);
     CHECK_FALSE(problems.empty());  // the host backend refused a map there (EINVAL): reported
     if (!problems.empty()) MESSAGE("the probe said: " << problems.front());
     CHECK(violations->last().find("over VA that is mapped") != std::string::npos);
@@ -164,7 +172,7 @@ TEST_CASE("pair: map refused, then unmapping an earlier piece refused twice -> a
   host_backend* hb = backend_cast<host_backend>(*host);
   auto st = std::make_shared<fault_state>();
   {
-    allocator a(make_fault_over(*host, st), small_opts());
+    allocator a = make(make_fault_over(*host, st));
     void* keep = a.allocate(3 * MiB);  // a live large block, checked after everything
     fill_block(keep, 3 * MiB, 5);
     two_free_chunks(a);
@@ -187,7 +195,7 @@ TEST_CASE("pair: map refused, then unmapping an earlier piece refused twice -> a
     // The driver keeps refusing unmaps: the stray stays mapped, and everything else fills.
     st->arm(op::unmap, 1, fault::not_permitted, /*sticky=*/true);
     std::vector<std::string> problems;
-    fill_reservation(a, [&](const std::string& p) { problems.push_back(p); }, "unmap refused", 4 * MiB);
+    fill_reservation(a, [&](const std::string& p) { problems.push_back(p); }, "unmap refused", 4 * MiB, 4 * MiB);
     for (auto& p : problems) FAIL_CHECK(p);
     CHECK(stray_bytes(a.stats()) == 4 * MiB);
     CHECK(a.check() == "");
@@ -218,7 +226,7 @@ TEST_CASE("pair: set_access refused, then releasing the created handle refused t
   {
     options o = small_opts();
     o.memory_limit = limit;
-    allocator a(make_fault_over(*host, st), o);
+    allocator a = make(make_fault_over(*host, st), o);
     // invalid_value: an out-of-memory would make the heap reclaim (retrying the parked release,
     // which then succeeds) and retry.
     st->arm_then(op::set_access, 1, fault::invalid_value, op::release, fault::not_permitted, 2);
@@ -257,7 +265,7 @@ TEST_CASE("pair: create refused with idle pieces taken -> they go back to the id
   host_backend* hb = backend_cast<host_backend>(*host);
   auto st = std::make_shared<fault_state>();
   {
-    allocator a(make_fault_over(*host, st), small_opts());
+    allocator a = make(make_fault_over(*host, st));
     two_free_chunks(a);
     const allocator_stats before = a.stats();
     // invalid_value: no out-of-memory reclaim and retry, only the undoing of this request.
@@ -295,7 +303,7 @@ TEST_CASE("pair: create refused with idle pieces taken -> they go back to the id
 // fault_cases.cpp holds for trim's own refusals).
 TEST_CASE("trim() reports no failure that an earlier call met, once nothing is left parked") {
   auto st = std::make_shared<fault_state>();
-  allocator a(make_fault_host(st), small_opts());
+  allocator a = make(make_fault_host(st));
   SUBCASE("the allocation failed and said so") {
     st->arm_then(op::set_access, 1, fault::invalid_value, op::release, fault::not_permitted, 2);
     CHECK(a.try_allocate(8 * MiB) == nullptr);

@@ -33,18 +33,23 @@ struct step {
 
 inline stream_t stream_tag(int s) { return s ? reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(s)) : nullptr; }
 
-// Options of the sweep: huge reached at 16 MiB, geometric growth capped at 4 MiB (many chunks),
-// huge blocks above 64 MiB created as several handles (huge_chunk: a fault part-way through one growth),
-// release threshold 64 MiB (frees of big blocks unmap chunks during the workload), 2 GiB VA: the
-// scripts hold under 1 GiB at once, and fill_reservation maps every hole of it after each fault.
+// Options of the sweep: release threshold 64 MiB (frees of big blocks unmap chunks during the
+// workload), 2 GiB VA: the scripts hold under 1 GiB at once, and fill_reservation maps every hole
+// of it after each fault.
 inline options sweep_options() {
   options o;
   o.reservation_size = 2 * GiB;
-  o.huge_threshold = 16 * MiB;
-  o.huge_chunk = 64 * MiB;
-  o.max_growth = 4 * MiB;
   o.release_threshold = 64 * MiB;
   return o;
+}
+// And the allocator's sizes: huge reached at 16 MiB, geometric growth capped at 4 MiB (many
+// chunks), huge blocks above 64 MiB created as several handles (a fault part-way through one growth).
+inline tuning sweep_tuning() {
+  tuning t;
+  t.huge_threshold = 16 * MiB;
+  t.huge_chunk = 64 * MiB;
+  t.max_growth = 4 * MiB;
+  return t;
 }
 inline host_backend_options sweep_host_options() {
   host_backend_options h;
@@ -125,7 +130,7 @@ inline std::vector<step> teardown_script() {
   A(6, 300 * MiB);
   for (int i = 0; i < 8; ++i) A(10 + i, MiB + MiB / 4);
   for (int id : {4, 11, 12, 13, 5}) F(id);  // free chunks and a cached huge block
-  A(7, 24 * MiB);                           // stitch_on_grow: free chunks become idle handles
+  A(7, 24 * MiB);                           // stitching: free chunks become idle handles
   A(8, 700, 0, 1);
   return s;  // destroyed with everything else live
 }
@@ -186,7 +191,7 @@ inline bool same_status(const status& a, const status& b) {
 }  // namespace detail
 
 // Maps every hole of the reservation through the allocator, then frees what it took: huge blocks
-// of halving sizes down to options.huge_threshold, then large blocks of one granularity each
+// of halving sizes down to huge_threshold (the allocator's tuning), then large blocks of one granularity each
 // (every hole is a multiple of it), each size until out of memory. A range the arena counts as a
 // hole while the driver still has it mapped (a stray put back among the holes, a mapping that
 // leaked) makes the host backend refuse the map there (EINVAL): that, any failure other than
@@ -197,7 +202,7 @@ inline bool same_status(const status& a, const status& b) {
 // (0 when the driver is disarmed: the first mapping retries and unmaps them).
 template <class Problem>
 inline void fill_reservation(allocator& a, Problem&& problem, const std::string& where,
-                             std::size_t stray_mapped = 0) {
+                             std::size_t stray_mapped = 0, std::size_t huge_threshold = sweep_tuning().huge_threshold) {
   struct blk {
     void* p;
     std::size_t n;
@@ -231,7 +236,7 @@ inline void fill_reservation(allocator& a, Problem&& problem, const std::string&
   };
   std::size_t n = G;
   while (n * 2 <= reserved / 2) n *= 2;
-  for (; n >= a.opts().huge_threshold && n >= G; n /= 2) take(n);
+  for (; n >= huge_threshold && n >= G; n /= 2) take(n);
   take(G - 4096);  // the large path: one chunk of G per block once no span has room
   // Strays: bytes parked by a refused rollback (still mapped, or a handle still to release).
   // Stray mappings are not holes; with the driver refusing to undo them they stay in place.
@@ -274,7 +279,7 @@ inline run_result run_workload(const run_config& cfg, const std::vector<step>& s
     std::uint64_t before = st->injected();
     std::optional<status> got;
     try {
-      a = std::make_unique<allocator>(make_fault_over(*host, st), opts);
+      a = std::make_unique<allocator>(allocator_access::make(make_fault_over(*host, st), opts, sweep_tuning()));
     } catch (const out_of_memory& e) {
       got = e.st();
     } catch (const error& e) {

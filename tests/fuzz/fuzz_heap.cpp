@@ -7,8 +7,9 @@
 //           3-4 free slot (a % live) on stream c % 3     5 double/interior/foreign free (must fail)
 //           6 trim(keep = a MiB), or with b odd set_memory_limit(16 + a % 64 MiB; a = 0: none)
 //           7 record_stream(slot a, stream c % 3)
-// The first byte picks options: release threshold, freed or cached huge blocks joining the spans,
-// a 96 MiB memory limit from the start, limit_chunk 2 MiB or 0 (one handle a growth).
+// The first byte picks options and the allocator's sizes: release threshold, cached huge blocks
+// remapped instead of split, no large block in the thread cache, a 96 MiB memory limit from the
+// start, limit_chunk 2 MiB or 0 (one handle a growth).
 // Physical memory never grows past the memory limit.
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "frontend/allocator_access.hpp"
+#include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace {
@@ -29,16 +32,17 @@ void die(const char* what, const std::string& why) {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   vmm::options o;
   o.reservation_size = std::size_t{1} << 30;
-  o.huge_threshold = std::size_t{32} << 20;  // reach the huge path with small inputs
-  o.max_growth = std::size_t{4} << 20;
+  vmm::tuning t;
+  t.huge_threshold = std::size_t{32} << 20;  // reach the huge path with small inputs
+  t.max_growth = std::size_t{4} << 20;
   if (size && data[0] & 1) o.release_threshold = std::size_t{8} << 20;
-  if (size && data[0] & 2) o.split_freed_huge = true;  // freed huge blocks join the spans
-  if (size && data[0] & 4) o.split_cached_huge = true;  // cached huge blocks split on a miss
+  if (size && data[0] & 2) t.split_cached_huge = false;  // cached huge blocks remapped on a miss
+  if (size && data[0] & 4) t.thread_cache_large = false;
   if (size && data[0] & 8) o.memory_limit = std::size_t{96} << 20;
-  if (size && data[0] & 16) o.limit_chunk = data[0] & 32 ? 0 : std::size_t{2} << 20;
+  if (size && data[0] & 16) t.limit_chunk = data[0] & 32 ? 0 : std::size_t{2} << 20;
   vmm::host_backend_options h;
   h.physical_limit = std::size_t{256} << 20;  // small: out-of-memory paths are reachable
-  auto a = vmm::allocator::host(o, h);
+  auto a = vmm::allocator_access::make(vmm::make_backend<vmm::host_backend>(h), o, t);
   std::vector<std::pair<void*, std::size_t>> live;
   auto stream = [](std::uint8_t c) { return reinterpret_cast<vmm::stream_t>(std::uintptr_t(c % 3)); };
   for (std::size_t i = 1; i + 4 <= size; i += 4) {

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gpu_util.cuh"
+#include "tuned.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace {
@@ -35,11 +36,12 @@ vmm::stream_t vs(cudaStream_t s) { return static_cast<vmm::stream_t>(s); }
 std::size_t max_bytes() { return gpu::env_u64("VMM_GPU_CAPTURE_MAX_BYTES", 2 * GiB); }
 int replays() { return static_cast<int>(gpu::env_u64("VMM_GPU_CAPTURE_REPLAYS", 100)); }
 
-vmm::options capture_options() {
+vmm::allocator capture_allocator() {
   vmm::options o;
   o.reservation_size = 64 * GiB;  // address space only
-  o.huge_threshold = 1 * GiB;     // 512 MiB goes through the large path, 2 GiB gets its own chunks
-  return o;
+  vmm::tuning t;
+  t.huge_threshold = 1 * GiB;     // 512 MiB goes through the large path, 2 GiB gets its own chunks
+  return gpu::tuned(o, t);
 }
 
 struct mode_case {
@@ -222,7 +224,7 @@ TEST_CASE("gpu capture: every mode x cold/warm x size path: capture valid, repla
         CAPTURE(m.name);
         CAPTURE(warm);
         CAPTURE(sz.path);
-        vmm::allocator a(capture_options());
+        vmm::allocator a = capture_allocator();
         if (warm) {  // memory mapped and free before the capture: the pool takes it over
           std::vector<void*> w;
           for (int i = 0; i < 4; ++i) w.push_back(a.allocate(sz.n, 0, vs(cs)));
@@ -248,7 +250,7 @@ TEST_CASE("gpu capture: every mode x cold/warm x size path: capture valid, repla
 TEST_CASE("gpu capture: two captures share one pool; a graph replayed many times with checks each time") {
   const cudaStream_t cs = gpu::stream(0);
   counter bad;
-  vmm::allocator a(capture_options());
+  vmm::allocator a = capture_allocator();
   const std::size_t big = std::min<std::size_t>(512 * MiB, max_bytes());
   // The first graph mixes sizes across the paths; the second shares its pool (PyTorch's
   // make_graphed_callables and torch.compile's graph trees do this).
@@ -289,7 +291,7 @@ TEST_CASE("gpu capture: two captures share one pool; a graph replayed many times
 TEST_CASE("gpu capture: another thread grows, frees and trims while this thread captures in global mode") {
   const cudaStream_t cs = gpu::stream(0);
   counter bad;
-  vmm::allocator a(capture_options());
+  vmm::allocator a = capture_allocator();
   std::atomic<int> phase{0};
   std::atomic<int> rounds{0};
   std::thread other([&] {

@@ -8,8 +8,8 @@
 //           check() is clean, everything comes back.
 //   matrix  every combination of the options that change growth and release: threads (1, 4, 16)
 //           x {no limit, 256 MiB} x release_threshold {max, 0} x {trim racing, none} x
-//           grow_outside_lock {on, off} x thread caches {on, off}, then idle_decay_ms and
-//           free_memory_margin on. Mixed sizes 64 B .. 384 MiB, one stream per thread, blocks
+//           thread caches {on, off}, then free_memory_margin on, and ipc (posix_fd: every block on
+//           chunks of its own) with and without the limit. Mixed sizes 64 B .. 384 MiB, one stream per thread, blocks
 //           handed to other threads and freed there on their streams. Each cell runs
 //           VMM_GPU_MATRIX_MS (900); VMM_GPU_MATRIX_CELLS=3,17 runs only those (compute-sanitizer
 //           runs one). Every cell: no abort, check() clean, the cap never exceeded, every byte
@@ -143,16 +143,14 @@ namespace {
 
 struct cell {
   int threads;
-  bool limited, release_all, trim_racing, outside, caches;
-  int decay_ms = 0;
-  bool margin = false;
+  bool limited, release_all, trim_racing, caches;
+  bool margin = false, ipc = false;
   std::string name() const {
     std::ostringstream s;
     s << threads << "t " << (limited ? "limit" : "nolimit") << ' ' << (release_all ? "rt0" : "rtmax") << ' '
-      << (trim_racing ? "trim" : "notrim") << ' ' << (outside ? "outside" : "locked") << ' '
-      << (caches ? "caches" : "nocaches");
-    if (decay_ms) s << " decay" << decay_ms;
+      << (trim_racing ? "trim" : "notrim") << ' ' << (caches ? "caches" : "nocaches");
     if (margin) s << " margin";
+    if (ipc) s << " ipc";
     return s.str();
   }
 };
@@ -163,19 +161,18 @@ std::vector<cell> all_cells() {
     for (bool lim : {false, true})
       for (bool rt : {false, true})
         for (bool tr : {true, false})
-          for (bool out : {true, false})
-            for (bool tc : {true, false}) v.push_back({th, lim, rt, tr, out, tc});
-  cell decay{16, false, false, true, true, true};
-  decay.decay_ms = 20;
-  v.push_back(decay);
-  decay.limited = true;
-  v.push_back(decay);
-  cell margin{16, false, false, true, true, true};
+          for (bool tc : {true, false}) v.push_back({th, lim, rt, tr, tc});
+  cell margin{16, false, false, true, true};
   margin.margin = true;
   v.push_back(margin);
   margin.trim_racing = false;
   margin.caches = false;
   v.push_back(margin);
+  cell ipc{16, false, false, true, true};
+  ipc.ipc = true;
+  v.push_back(ipc);
+  ipc.limited = true;
+  v.push_back(ipc);
   return v;
 }
 
@@ -193,9 +190,8 @@ std::string run_cell(const cell& c, std::size_t index, std::chrono::milliseconds
   o.reservation_size = 16 * GiB;
   if (c.limited) o.memory_limit = limit;
   if (c.release_all) o.release_threshold = 0;
-  o.grow_outside_lock = c.outside;
   o.thread_cache = c.caches;
-  o.idle_decay_ms = c.decay_ms;
+  if (c.ipc) o.ipc = vmm::ipc_kind::posix_fd;
   if (c.margin) {  // every growth past the first 512 MiB held finds the device short of the margin
     std::size_t f = 0, total = 0;
     gpu::device_memory(f, total);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "gpu_util.cuh"
+#include "tuned.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace {
@@ -86,8 +87,9 @@ TEST_CASE("gpu pressure: memory_limit holds under threads, kernels write what th
     vmm::options o;
     o.reservation_size = 16 * GiB;
     o.memory_limit = limit;
-    o.huge_threshold = 32 * MiB;
-    vmm::allocator a(o);
+    vmm::tuning t;
+    t.huge_threshold = 32 * MiB;
+    vmm::allocator a = gpu::tuned(o, t);
     std::atomic<std::uint64_t> allocs{0}, oom{0}, bad_bytes{0}, next_seed{1};
     std::mutex mu;
     std::vector<std::string> other;  // failures that are not out_of_memory
@@ -245,10 +247,11 @@ TEST_CASE("gpu pressure: free_memory_margin gives held free memory back before a
   REQUIRE(f0 > 8 * GiB);
   vmm::options o;
   o.reservation_size = 16 * GiB;
-  o.thread_cache_large = false;         // every freed block goes back to the heap at once
   o.free_memory_margin = f0 - 3 * GiB;  // pressed once free memory falls near f0 - 3 GiB
+  vmm::tuning t;
+  t.thread_cache_large = false;  // every freed block goes back to the heap at once
   {
-    vmm::allocator a(o);
+    vmm::allocator a = gpu::tuned(o, t);
     std::vector<void*> v;
     for (int i = 0; i < 16; ++i) v.push_back(a.allocate(32 * MiB));  // span A
     void* h = a.allocate(300 * MiB);                                  // a huge block after A

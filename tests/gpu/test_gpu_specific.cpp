@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gpu_util.cuh"
+#include "tuned.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
 namespace {
@@ -132,10 +133,9 @@ std::uint64_t spin_ns() { return gpu::env_u64("VMM_GPU_SPIN_MS", 50) * 1000000ul
 // ---- (a) memory is really there -----------------------------------------------------------------
 
 TEST_CASE("gpu access: blocks of many small chunks, crossing chunk boundaries, round-trip") {
-  vmm::options o = test_options();
-  o.max_growth = 0;  // one granule per growth: many chunks, adjacent in VA
-  o.stitch_on_grow = false;
-  vmm::allocator a(o);
+  vmm::tuning t;
+  t.max_growth = 0;  // one granule per growth: many chunks, adjacent in VA
+  vmm::allocator a = gpu::tuned(test_options(), t);
   const std::size_t g = a.granularity();
   REQUIRE(g > 0);
   std::vector<std::pair<void*, std::size_t>> blocks;

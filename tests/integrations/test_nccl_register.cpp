@@ -168,7 +168,7 @@ int main() {
     o.device = r.dev;
     o.ipc = vmm::ipc_kind::posix_fd;
     o.reservation_size = std::size_t{8} << 30;
-    {  // printed for the record; the allocator itself applies the recommended granularity
+    {  // printed for the record: the allocator maps in multiples of the minimum (equal on H100/H200)
       vmm::cuda_backend probe(r.dev);
       if (!probe.available()) die("cuda_backend(" + std::to_string(r.dev) + "): " + probe.load_message());
       vmm::chunk_props props;
@@ -176,7 +176,6 @@ int main() {
       props.ipc = vmm::ipc_kind::posix_fd;
       auto g = probe.granularity(props);
       if (!g.ok()) die("granularity: " + g.st.message());
-      o.recommended_granularity = true;  // chunk sizes and alignment in recommended multiples
       std::printf("device %d: granularity minimum %zu, recommended %zu\n", r.dev, g.value.minimum,
                   g.value.recommended);
     }

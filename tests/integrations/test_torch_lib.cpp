@@ -106,8 +106,9 @@ TEST_CASE("VMMALLOC_OPTIONS: bad items throw naming the item and create nothing"
   const int d = 1;
   const char* cases[][2] = {
       {"nope=1", "VMMALLOC_OPTIONS: unknown option 'nope'"},
-      {"max_growth=lots", "VMMALLOC_OPTIONS max_growth='lots'"},
-      {"stitch_on_grow=false,peak_growth=101", "peak_growth out of range"},  // refused by the arena
+      {"free_memory_margin=lots", "VMMALLOC_OPTIONS free_memory_margin='lots'"},
+      {"alignment=512,reservation_size=16384T", "reservation size out of range"},  // refused by the arena
+      {"max_growth=32M", "VMMALLOC_OPTIONS: unknown option 'max_growth'"},  // the allocator's own choice
       {"device=2", "'device' is not an option here"},
       {"32M", "'32M' is not name=value"},
   };
@@ -123,18 +124,31 @@ TEST_CASE("VMMALLOC_OPTIONS: bad items throw naming the item and create nothing"
   }
 }
 
+TEST_CASE("a VMMALLOC_ variable that is not the library's is refused, naming it, and creates nothing") {
+  const int d = 1;
+  for (const char* var : {"VMMALLOC_MAX_GROWTH", "VMMALLOC_RELEASE_TRESHOLD"}) {
+    CAPTURE(var);
+    setenv(var, "32M", 1);
+    const std::string what = malloc_error(d);
+    unsetenv(var);
+    CAPTURE(what);
+    CHECK(what.find(std::string(var) + ": not a vmmalloc variable") != std::string::npos);
+    CHECK(vmm_torch_initialized(d) == 0);
+  }
+}
+
 TEST_CASE("VMMALLOC_OPTIONS sets rows without a variable of their own; a row's variable wins") {
   const int d = 1;
-  setenv("VMMALLOC_OPTIONS", "stitch_on_grow=false,max_growth=32M,peers=0,2,thread_cache_large=false", 1);
-  setenv("VMMALLOC_MAX_GROWTH", "16M", 1);
+  setenv("VMMALLOC_OPTIONS", "alignment=1K,release_threshold=32M,peers=0,2,thread_cache=false", 1);
+  setenv("VMMALLOC_RELEASE_THRESHOLD", "16M", 1);
   REQUIRE(vmm_torch_init(d) == 0);
   unsetenv("VMMALLOC_OPTIONS");
-  unsetenv("VMMALLOC_MAX_GROWTH");
+  unsetenv("VMMALLOC_RELEASE_THRESHOLD");
   const std::string config = vmm_torch_config(d);
   CAPTURE(config);
-  CHECK(config.find("stitch_on_grow=false") != std::string::npos);
-  CHECK(config.find("thread_cache_large=false") != std::string::npos);
-  CHECK(config.find("max_growth=16M") != std::string::npos);  // VMMALLOC_MAX_GROWTH over the list
+  CHECK(config.find("alignment=1K") != std::string::npos);
+  CHECK(config.find("thread_cache=false") != std::string::npos);
+  CHECK(config.find("release_threshold=16M") != std::string::npos);  // its variable over the list
   CHECK(config.find("peers=[0,2]") != std::string::npos);     // "2" continued the peers value
   void* p = vmm_torch_malloc(1 << 20, d, nullptr);
   REQUIRE(p != nullptr);

@@ -88,7 +88,7 @@ r = lib.vmm_torch_try_malloc(MiB, 1, None)
 expect(bool(r), "1 MiB still fits after the failure")
 lib.vmm_torch_free(r, MiB, 1, None)
 
-for var, val in (("VMMALLOC_RESERVATION", "12Q"), ("VMMALLOC_MAX_GROWTH", "-3"),
+for var, val in (("VMMALLOC_RESERVATION", "12Q"), ("VMMALLOC_FREE_MEMORY_MARGIN", "-3"),
                  ("VMMALLOC_PEERS", "1,x"), ("VMMALLOC_THREAD_CACHE", "maybe"),
                  ("VMMALLOC_TORCH_BACKEND", "opencl")):
     old = os.environ.get(var)

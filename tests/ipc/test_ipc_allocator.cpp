@@ -9,7 +9,9 @@
 #include <string>
 #include <tuple>
 
+#include "frontend/allocator_access.hpp"
 #include "ipc_test_util.hpp"
+#include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -94,9 +96,9 @@ TEST_CASE("allocator export: bad pointers and non-exportable policies are errors
 }
 
 TEST_CASE("allocator export, shared chunks: the chunks under the block, at its offset, of any size") {
-  options o = ipc_options();
-  o.ipc_whole_chunks = false;  // blocks share chunks, as PyTorch's tensors do
-  auto a = allocator::host(o);
+  tuning t;
+  t.ipc_whole_chunks = false;  // blocks share chunks, as PyTorch's tensors do (libvmmalloc_torch)
+  auto a = allocator_access::make(make_backend<host_backend>(), ipc_options(), t);
   // A slab slot, a span block and a huge block; small ones share one chunk.
   void* s1 = a.allocate(64);
   void* s2 = a.allocate(64);

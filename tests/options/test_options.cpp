@@ -265,12 +265,12 @@ TEST_CASE("values as text: suffixes, max, enumerators, peers, paths with spaces"
     REQUIRE(vmm::set_option(o, name, v, &why).ok());
     return vmm::option_value(o, *vmm::find_option(name));
   };
-  CHECK(set("max_growth", "16M") == "16M");
-  CHECK(o.max_growth == std::size_t{16} << 20);
-  CHECK(set("max_growth", " 64 KiB ") == "64K");
-  CHECK(set("max_growth", "2048m") == "2G");
-  CHECK(set("max_growth", "12345") == "12345");
-  CHECK(set("max_growth", "1536K") == "1536K");
+  CHECK(set("free_memory_margin", "16M") == "16M");
+  CHECK(o.free_memory_margin == std::size_t{16} << 20);
+  CHECK(set("free_memory_margin", " 64 KiB ") == "64K");
+  CHECK(set("free_memory_margin", "2048m") == "2G");
+  CHECK(set("free_memory_margin", "12345") == "12345");
+  CHECK(set("free_memory_margin", "1536K") == "1536K");
   CHECK(set("memory_limit", "MAX") == "max");
   CHECK(o.memory_limit == SIZE_MAX);
   CHECK(set("memory_limit", "1T") == "1T");
@@ -308,12 +308,12 @@ TEST_CASE("bad names and values: invalid_value, a message naming the option, opt
   std::string why;
   CHECK(vmm::set_option(o, "memory_limit", "lots", &why).kind == vmm::errc::invalid_value);
   CHECK(why == "memory_limit='lots': not a size (expected bytes with an optional K/M/G/T suffix, e.g. 512M, or max)");
-  CHECK(vmm::set_option(o, "max_growth", "12Q", &why).kind == vmm::errc::invalid_value);
-  CHECK(why == "max_growth='12Q': unknown suffix (expected bytes with an optional K/M/G/T suffix, e.g. 512M)");
-  CHECK(vmm::set_option(o, "max_growth", "max", &why).kind == vmm::errc::invalid_value);  // not size_or_max
-  CHECK(vmm::set_option(o, "max_growth", "99999999T", &why).kind == vmm::errc::invalid_value);
+  CHECK(vmm::set_option(o, "free_memory_margin", "12Q", &why).kind == vmm::errc::invalid_value);
+  CHECK(why == "free_memory_margin='12Q': unknown suffix (expected bytes with an optional K/M/G/T suffix, e.g. 512M)");
+  CHECK(vmm::set_option(o, "free_memory_margin", "max", &why).kind == vmm::errc::invalid_value);  // not size_or_max
+  CHECK(vmm::set_option(o, "free_memory_margin", "99999999T", &why).kind == vmm::errc::invalid_value);
   CHECK(why.find("too large") != std::string::npos);
-  CHECK(vmm::set_option(o, "max_growth", "-3", &why).kind == vmm::errc::invalid_value);
+  CHECK(vmm::set_option(o, "free_memory_margin", "-3", &why).kind == vmm::errc::invalid_value);
   CHECK(vmm::set_option(o, "thread_cache", "maybe", &why).kind == vmm::errc::invalid_value);
   CHECK(why == "thread_cache='maybe': expected 0 or 1");
   CHECK(vmm::set_option(o, "compression", "zstd", &why).kind == vmm::errc::invalid_value);

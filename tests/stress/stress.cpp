@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "fault/pattern.hpp"
+#include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
 #include "vmmalloc/options.hpp"
 #include "vmmalloc/vmmalloc.hpp"
@@ -252,7 +253,8 @@ int main(int argc, char** argv) {
 
   options o;
   o.reservation_size = std::size_t{64} << 30;
-  o.huge_threshold = c.huge_threshold;
+  tuning tn;
+  tn.huge_threshold = c.huge_threshold;
   for (const std::string& t : c.option_texts) {
     const auto eq = t.find('=');
     std::string why;
@@ -270,7 +272,7 @@ int main(int argc, char** argv) {
   allocator_stats end{}, trimmed{};
   std::string why;
   {
-    allocator a(make_fault_host(st, h), o);
+    allocator a = allocator_access::make(make_fault_host(st, h), o, tn);
     shared_pool pool;
     host_backend* hb = st->host;
     std::atomic<bool> done{false};

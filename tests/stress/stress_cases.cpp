@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -93,20 +94,21 @@ TEST_CASE("threads: check() while other threads allocate small blocks [regressio
 // sequence number its completed fences cover (completed_seq) apart from its latest fence.
 TEST_CASE("streams: a free covered by a completed fence stays usable when a newer fence is recorded [regression: heap::fence_covers]") {
   options o = opts();
-  o.min_chunk = 8 * MiB;
-  o.max_growth = 8 * MiB;
-  o.huge_threshold = 64 * MiB;
   o.thread_cache = false;
+  tuning tn;
+  tn.huge_threshold = 64 * MiB;
   auto st = std::make_shared<fault_state>();
-  allocator a(make_fault_host(st), o);
+  allocator a = allocator_access::make(make_fault_host(st), o, tn);
   host_backend* hb = st->host;
   REQUIRE(hb);
-  // span P: [x 1 MiB][t 7 MiB] at the base
+  // span P: [x 1 MiB][t 7 MiB] at the base, one 8 MiB chunk (a block of 8 MiB grows by its size)
+  a.deallocate(a.allocate(8 * MiB, 0, S(1)), S(1));
   void* x = a.allocate(1 * MiB, 0, S(1));
   void* t = a.allocate(7 * MiB, 0, S(1));
   // a huge block right after P, so that the next span Q starts further up
   void* h = a.allocate(64 * MiB, 0, S(1));
-  // span Q: [q 1 MiB][z 7 MiB]
+  // span Q: [q 1 MiB][z 7 MiB], one 8 MiB chunk too
+  a.deallocate(a.allocate(8 * MiB, 0, S(1)), S(1));
   void* q = a.allocate(1 * MiB, 0, S(1));
   void* z = a.allocate(7 * MiB, 0, S(1));
   REQUIRE(static_cast<char*>(q) > static_cast<char*>(h));

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "frontend/allocator_access.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -23,6 +24,13 @@ inline host_alloc make_host_alloc(const options& o = {}, const host_backend_opti
   auto b = make_backend<host_backend>(h);
   host_backend* hb = backend_cast<host_backend>(*b);
   return {hb, allocator(std::move(b), o)};
+}
+
+// With the allocator's own sizes and thresholds set to `t` (arena/tuning.hpp), not the defaults.
+inline host_alloc make_host_alloc(const options& o, const tuning& t, const host_backend_options& h = {}) {
+  auto b = make_backend<host_backend>(h);
+  host_backend* hb = backend_cast<host_backend>(*b);
+  return {hb, allocator_access::make(std::move(b), o, t)};
 }
 
 // Violations of the driver's contract, kept instead of aborting: for tests that break the contract

@@ -131,7 +131,7 @@ cli parse_cli(int argc, char** argv) {
       ->type_name("N");
   app.add_option("--option", c.option_texts,
                  "one of vmmalloc's options (README.md's options table), e.g. release_threshold=0 or "
-                 "max_growth=32M; repeatable; vmmalloc only")
+                 "free_memory_margin=1G; repeatable; vmmalloc only")
       ->type_name("NAME=VALUE")
       ->take_all()
       ->allow_extra_args(false);

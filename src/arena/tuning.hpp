@@ -1,0 +1,41 @@
+// SPDX-License-Identifier: Apache-2.0
+// The allocator's own choices of sizes and thresholds: not options (a user decides policy, the
+// allocator the mechanism), fixed here from measurements on real PyTorch processes and recorded
+// traces (bench/RESULTS.md). Each choice also reacts to what the allocator sees at run time, as
+// its line says. Tests and tools that must reach a path with small sizes, or compare a choice,
+// build an allocator with other values through allocator_access::make (frontend/allocator_access.hpp).
+#pragma once
+
+#include <cstddef>
+
+namespace vmm {
+
+struct tuning {
+  // Growth: repeated growth doubles from the granularity up to max_growth (driver cost is per
+  // call); a refused or pressed growth starts over at the granularity; a request larger than the
+  // step grows by its own size. 8 MiB: peak physical / live 1.011 on the shared trace, against
+  // 1.018-1.055 for 16-64 MiB (larger chunks are wholly free less often).
+  std::size_t max_growth = std::size_t{8} << 20;
+  // Sizes up to this come from size classes in slabs (at most granularity / 8).
+  std::size_t small_max = std::size_t{64} << 10;
+  // Sizes from this up get chunks of their own, or a cached or span block that fits.
+  std::size_t huge_threshold = std::size_t{256} << 20;
+  // New memory for a huge block comes as handles of at most this size, so a freed and split huge
+  // block's wholly free handles serve the next huge request (0 = one handle).
+  std::size_t huge_chunk = std::size_t{64} << 20;
+  // While a memory limit is set: handles of at most this size, and freed huge blocks join the
+  // spans, so pages freed beside live blocks can go back when the limit binds.
+  std::size_t limit_chunk = std::size_t{8} << 20;
+  // A huge request nothing else serves splits the smallest cached huge block up to twice its size
+  // instead of remapping: no driver call (real processes: 2-7x fewer driver calls).
+  bool split_cached_huge = true;
+  // Thread caches: slots per class and thread (a refill or flush moves half), and whether a
+  // thread keeps the large block it freed last (off by itself under a release threshold or ipc).
+  std::size_t thread_cache_slots = 32;
+  bool thread_cache_large = true;
+  // With options.ipc, every allocation owns whole chunks (an importer maps nothing else). The
+  // PyTorch integration turns it off: tensors share chunks, as PyTorch's own sharing does.
+  bool ipc_whole_chunks = true;
+};
+
+}  // namespace vmm

@@ -281,13 +281,21 @@ std::string run_cell(const cell& c, std::size_t index, std::chrono::milliseconds
   return row;
 }
 
+// VMM_GPU_MATRIX_CELLS, or every cell. A cell that does not exist fails the case (a run that
+// names none would otherwise pass having run nothing).
 std::vector<std::size_t> chosen_cells(std::size_t count) {
   std::vector<std::size_t> v;
   if (const char* e = std::getenv("VMM_GPU_MATRIX_CELLS"); e && *e) {
     std::stringstream ss(e);
     std::string item;
-    while (std::getline(ss, item, ','))
-      if (!item.empty() && std::stoul(item) < count) v.push_back(std::stoul(item));
+    while (std::getline(ss, item, ',')) {
+      if (item.empty()) continue;
+      const std::size_t i = std::strtoul(item.c_str(), nullptr, 10);
+      if (item.find_first_not_of("0123456789") != std::string::npos || i >= count)
+        FAIL("VMM_GPU_MATRIX_CELLS: no cell '" << item << "' (cells 0-" << count - 1 << ")");
+      v.push_back(i);
+    }
+    REQUIRE_FALSE(v.empty());
     return v;
   }
   for (std::size_t i = 0; i < count; ++i) v.push_back(i);

@@ -273,7 +273,7 @@ class Pure(unittest.TestCase):
         self.assertTrue(len({s for s in rm.MODELS["llama"]["full"]["train"]}) >= 10)  # shapes vary
         self.assertTrue(len({b for b, _, _ in rm.MODELS["llama"]["full"]["generate"]}) >= 4)
         self.assertTrue(len({b for b, _ in rm.MODELS["bert"]["full"]["train"]}) >= 10)
-        # The suite's processes vary what the processes varied.
+        # The suite's processes vary what real jobs vary: batch and shapes, generate() batches.
         self.assertTrue(len({b for b, _, _ in rm.MODELS["gpt2"]["full"]["generate"]}) >= 4)
         self.assertTrue(len({(s, t) for _, s, t in rm.MODELS["t5"]["full"]["train"]}) >= 8)
         self.assertTrue(len({side for _, side in rm.MODELS["cnn"]["full"]["train"]}) >= 8)

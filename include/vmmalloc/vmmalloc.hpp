@@ -78,7 +78,7 @@ class allocator {
   // IPC (options.ipc = posix_fd or fabric): the live allocation starting at p as a handle another
   // process imports (vmm::ipc::import). Every allocation of an ipc policy owns whole chunks, so
   // the handle shares nothing else; once exported, freeing p releases its chunks (they are never
-  // reused while an importer may map them). With options.ipc_whole_chunks off, allocations share
+  // reused while an importer may map them). In libvmmalloc_torch (PyTorch), allocations share
   // chunks: the handle carries the chunks under p (neighbours' bytes too; offset says where p
   // starts), and they are reused as usual once p is freed, so the importer must be done by then.
   // Throws vmm::error; try_ form returns the status.

@@ -602,7 +602,7 @@ void allocator::trim(std::size_t keep) {
   {
     std::unique_lock g(m.mu);
     // This thread's cache goes back first (other threads' caches are theirs: at most
-    // thread_cache_slots per class each, returned when those threads end). The chunks and idle
+    // tuning::thread_cache_slots per class each, returned when those threads end). The chunks and idle
     // handles trim gives back are unmapped and released after the lock is dropped, as a free's
     // are; trim returns once they are. Chunks a stream still uses are waited for without the
     // lock too: a first round skips them, the second gives them back once their streams caught up.

@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // vmmalloc heap: sub-allocation over the arena. Three paths by size:
 //
-//   small  (<= options.small_max, default 64 KiB, alignment <= 256): size classes, each served
+//   small  (<= tuning::small_max, 64 KiB, alignment <= 256): size classes, each served
 //          from slabs (one G-aligned page carved into equal slots); free = push the slot index.
-//   large  (up to huge_threshold): TLSF-style good fit over "spans" (contiguous mapped VA), O(1)
+//   large  (up to tuning::huge_threshold): TLSF-style good fit over "spans" (contiguous mapped VA), O(1)
 //          search with two bitmaps, immediate coalescing with free neighbours.
-//   huge   (>= huge_threshold, default 256 MiB): dedicated chunks per allocation (handles of at
-//          most huge_chunk), cached on free for a same-size request, unmapped beyond the release
+//   huge   (>= huge_threshold, 256 MiB): dedicated chunks per allocation (handles of at
+//          most tuning::huge_chunk), cached on free for a same-size request, unmapped beyond the release
 //          threshold.
 //
 // All metadata lives in host memory: device memory is not readable by the CPU. free(p) finds its

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Huge blocks: dedicated chunks per allocation (sizes from options.huge_threshold, and every
-// allocation of an exportable policy), handles of at most options.huge_chunk side by side (one for
+// Huge blocks: dedicated chunks per allocation (sizes from tuning::huge_threshold, and every
+// allocation of an exportable policy), handles of at most tuning::huge_chunk side by side (one for
 // an exportable policy), cached on free for a same-size request.
 #include "heap/heap_impl.hpp"
 

@@ -140,7 +140,7 @@ status heap::impl::grow(std::size_t need, stream_t x) {
 }
 
 void heap::impl::grown(bool pressed) {
-  // Repeated growth doubles (driver cost is per call) up to max_growth; pressure starts it over.
+  // Repeated growth doubles (driver cost is per call) up to tuning::max_growth; pressure starts it over.
   next_growth = pressed ? G : std::min(next_growth * 2, std::max(a.tune().max_growth, G));
 }
 

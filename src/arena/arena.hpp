@@ -32,7 +32,6 @@
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -42,12 +41,12 @@
 #include <string>
 #include <vector>
 
+#include "arena/tuning.hpp"
 #include "policy/policy.hpp"
 #include "vm/driver.hpp"
 #include "vm/mapping.hpp"
 #include "vm/reservation.hpp"
 #include "vmmalloc/backend.hpp"
-#include "arena/tuning.hpp"
 #include "vmmalloc/options.hpp"
 #include "vmmalloc/stats.hpp"
 

@@ -70,10 +70,10 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     // them before it creates (peak physical stays close to peak mapped). One whose retired range
     // is still mapped stays idle (its memory is not freed yet).
     for (auto i = idle_.begin(); i != idle_.end(); ++i)
-        if (!aliased(i->second, false, true) && std::find(unfit.begin(), unfit.end(), i) == unfit.end()) {
-          unfit.push_back(i);
-          releasing += i->first;
-        }
+      if (!aliased(i->second, false, true) && std::find(unfit.begin(), unfit.end(), i) == unfit.end()) {
+        unfit.push_back(i);
+        releasing += i->first;
+      }
     // The limit is checked before the create: everything held (mappings planned on other
     // threads included), the pieces taken for this range, plus what the create would add, less
     // what this job releases before it creates.

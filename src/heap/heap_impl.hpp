@@ -218,7 +218,6 @@ struct heap::impl {
     const std::size_t h = a.tune().huge_chunk, l = span_piece();
     return h && l ? std::min(h, l) : h | l;
   }
-  bool split_freed_huge() const { return limited(); }
 
   // ---- block pool and page chains ----
   block* new_block();

@@ -138,7 +138,7 @@ void heap::impl::free_huge(block* b, stream_t s) {
   b->stream = s;
   b->free_seq = ++seq;
   b->set_requested(0);
-  if (!exported && !whole_chunks() && split_freed_huge()) {
+  if (!exported && limited()) {  // under a limit freed huge blocks join the spans
     huge_to_spans(b, s);  // any later request may split it, with no driver call
     return;
   }

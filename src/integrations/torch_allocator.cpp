@@ -23,14 +23,14 @@
 #include <mutex>
 #include <new>
 #include <string>
-#include <utility>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>  // environ
 
-#include "torch_lib.hpp"
 #include "frontend/allocator_access.hpp"
+#include "torch_lib.hpp"
 #include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -165,18 +165,9 @@ std::vector<std::pair<const vmm::option_info*, std::string>> options_list(const 
   return out;
 }
 
-// The options of one device's allocator from the environment: VMMALLOC_OPTIONS first, then every
-// row of the options table (options.def, README.md) with a variable that is set and not empty
-// (so a row's own variable wins over the list), parsed by vmm::set_option with messages naming
-// the variable. Two kinds mean more here:
-//   peers  "auto" (the default) = every device that can access the owner, resolved in create()
-//   path   one file per device: "%d" is replaced by the device ordinal; without it device 0 uses
-//          the path itself and device d "<path>.<d>", so two devices never share a file (the trace:
-//          allocators live until exit, so buffered events are written by vmm_torch_flush_trace()
-//          and by an atexit handler; frees after that, during the last teardown, are not recorded)
-// A VMMALLOC_* variable that is none of these is refused, naming it (a typo, or a variable of
-// another version), as PyTorch refuses an unknown PYTORCH_CUDA_ALLOC_CONF key.
-// Throws env_error.
+// A VMMALLOC_* variable that is neither a row's nor one of the library's own is refused, naming it
+// (a typo, or a variable of another version), as PyTorch refuses an unknown
+// PYTORCH_CUDA_ALLOC_CONF key. Throws env_error.
 void refuse_unknown_variables() {
   static const char* const others[] = {"VMMALLOC_OPTIONS", "VMMALLOC_TORCH_BACKEND", "VMMALLOC_LIB_DIR",
                                        "VMMALLOC_TORCH_LIB", "VMMALLOC_TORCH_EXT_LIB"};
@@ -192,6 +183,17 @@ void refuse_unknown_variables() {
   }
 }
 
+// The options of one device's allocator from the environment: VMMALLOC_OPTIONS first, then every
+// row of the options table (options.def, README.md) with a variable that is set and not empty
+// (so a row's own variable wins over the list), parsed by vmm::set_option with messages naming
+// the variable. Two kinds mean more here:
+//   peers  "auto" (the default) = every device that can access the owner, resolved in create()
+//   path   one file per device: "%d" is replaced by the device ordinal; without it device 0 uses
+//          the path itself and device d "<path>.<d>", so two devices never share a file (the trace:
+//          allocators live until exit, so buffered events are written by vmm_torch_flush_trace()
+//          and by an atexit handler; frees after that, during the last teardown, are not recorded)
+// A VMMALLOC_* variable that is none of these (nor one the library itself reads) is refused,
+// naming it (refuse_unknown_variables). Throws env_error.
 vmm::options options_from_env(int device, peer_spec& peers) {
   refuse_unknown_variables();
   vmm::options o;

@@ -5,18 +5,15 @@
 #include <doctest/doctest.h>
 
 #include "conformance.hpp"
-#include "frontend/allocator_access.hpp"
-#include "vmmalloc/cuda_backend.hpp"
 #include "gpu_util.cuh"
+#include "tuned.hpp"
 
 namespace {
 
 struct cuda_traits {
   static constexpr const char* name = "cuda";
 
-  static vmm::allocator make(vmm::options o, const vmm::tuning& t = {}) {
-    return vmm::allocator_access::make(vmm::make_backend<vmm::cuda_backend>(o.device), o, t);
-  }
+  static vmm::allocator make(vmm::options o, const vmm::tuning& t = {}) { return gpu::tuned(o, t); }
 
   // Synchronous: the conformance cases read back right after, on the host thread.
   static void fill(void* p, std::size_t n, std::uint64_t seed) {

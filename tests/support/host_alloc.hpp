@@ -20,17 +20,14 @@ struct host_alloc {
   allocator a;
 };
 
-inline host_alloc make_host_alloc(const options& o = {}, const host_backend_options& h = {}) {
-  auto b = make_backend<host_backend>(h);
-  host_backend* hb = backend_cast<host_backend>(*b);
-  return {hb, allocator(std::move(b), o)};
-}
-
-// With the allocator's own sizes and thresholds set to `t` (arena/tuning.hpp), not the defaults.
+// t: the allocator's own sizes and thresholds (arena/tuning.hpp) where a test needs others.
 inline host_alloc make_host_alloc(const options& o, const tuning& t, const host_backend_options& h = {}) {
   auto b = make_backend<host_backend>(h);
   host_backend* hb = backend_cast<host_backend>(*b);
   return {hb, allocator_access::make(std::move(b), o, t)};
+}
+inline host_alloc make_host_alloc(const options& o = {}, const host_backend_options& h = {}) {
+  return make_host_alloc(o, tuning{}, h);
 }
 
 // Violations of the driver's contract, kept instead of aborting: for tests that break the contract

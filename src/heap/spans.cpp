@@ -79,10 +79,7 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
       absorb(tail, nb);
       nb = tail;
     } else if (!freed_seq && (tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
-      // Fresh memory takes the tail's stream tag so the two can serve one request.
-      nb->flags = tail->flags & (f_free | f_tagged);
-      nb->stream = tail->stream;
-      nb->free_seq = tail->free_seq;
+      take_tag(nb, tail);
       remove_free(tail);
       absorb(tail, nb);
       nb = tail;
@@ -115,27 +112,24 @@ void heap::impl::join_next_span(block* sentinel, stream_t x) {
   t->next_phys = h;
   h->prev_phys = t;
   delete_block(sentinel);
-  if (!(t->flags & f_free) || !(h->flags & f_free)) return;
+  if (!(t->flags & f_free) || !(h->flags & f_free) || !joinable(t, h, x)) return;
   auto merge = [&](block* l, block* r) {
-    if (!compatible(l, r)) return false;
     remove_free(l);
     remove_free(r);
     absorb(l, r);
     insert_free(l);
-    return true;
+    return l;
   };
-  // Fresh memory on the left takes the right block's stream tag when this stream may use it, so
-  // the two can serve one request (as a span's fresh tail does); tagged so, it may now also
-  // coalesce with its own left neighbour.
-  if (!(t->flags & f_tagged) && (h->flags & f_tagged) && usable(h, x)) {
-    remove_free(t);
-    t->flags = h->flags & (f_free | f_tagged);
-    t->stream = h->stream;
-    t->free_seq = h->free_seq;
-    insert_free(t);
-    if (block* l = t->prev_phys; l && merge(l, t)) t = l;
+  if (!(t->flags & f_tagged) && (h->flags & f_tagged)) {
+    take_tag(t, h);  // tagged so, it may now also coalesce with its own left neighbour
+    if (block* l = t->prev_phys; l && compatible(l, t)) t = merge(l, t);
   }
   merge(t, h);
+}
+
+bool heap::impl::joinable(const block* l, block* r, stream_t x) {
+  if (!(l->flags & f_tagged)) return !(r->flags & f_tagged) || usable(r, x);
+  return (r->flags & f_tagged) && l->stream == r->stream;
 }
 
 status heap::impl::grow(std::size_t need, stream_t x) {
@@ -169,13 +163,11 @@ status heap::impl::grow(std::size_t need, stream_t x) {
     block* h = span_head_at(end + hole);
     if (!h || !(h->flags & f_free) || !usable(h, x)) continue;
     // What one free block the mapping leaves: a free tail this stream may use takes the hole in
-    // (add_span_range), and the head joins them only with a compatible tag (join_next_span: the
-    // tail fresh, or both the same stream's); without such a tail the fresh hole takes the head's.
+    // (add_span_range, with the tail's tag), and the head joins them where joinable
+    // (join_next_span); without such a tail the fresh hole takes the head's tag.
     block* t = s->prev_phys;
     std::size_t joined = hole + h->size;
-    if ((t->flags & f_free) && usable(t, x))
-      joined = t->size + hole +
-               (!(t->flags & f_tagged) || ((h->flags & f_tagged) && t->stream == h->stream) ? h->size : 0);
+    if ((t->flags & f_free) && usable(t, x)) joined = t->size + hole + (joinable(t, h, x) ? h->size : 0);
     if (joined >= need) join_at = end, join_ext = hole;
   }
   // Repeated growth is geometric (driver cost is per call), capped by tuning::max_growth; after a

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -325,6 +326,77 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
     CHECK(r == p);
     a.deallocate(q, s2);
     a.deallocate(r, s2);
+    CHECK(a.check() == "");
+  }
+}
+
+// The GPU race program's failure, on the host: a kernel still queued on stream S writes the block
+// S freed after the allocator handed that memory to another stream. Here a held stream's writes
+// are queued and land when the stream completes; every block is checked before it is freed.
+TEST_CASE("streams: work queued on a held stream never lands in another stream's block (growth under a limit)") {
+  for (std::uint64_t seed = 1; seed <= 24; ++seed) {
+    CAPTURE(seed);
+    vmm::options o = conf::small_options();
+    o.memory_limit = 64 * MiB;
+    auto [hb, a] = vmm::test::make_host_alloc(o);
+    REQUIRE(hb != nullptr);
+    std::mt19937_64 r(seed);
+    struct write { unsigned char* p; std::size_t n; unsigned char v; };
+    struct blk { unsigned char* p; std::size_t n; unsigned char v; vmm::stream_t s; };
+    const vmm::stream_t streams[4] = {host_traits::stream(1), host_traits::stream(2), host_traits::stream(3),
+                                      host_traits::stream(4)};
+    std::map<vmm::stream_t, std::vector<write>> queued;  // a held stream's work, in stream order
+    std::vector<blk> live;
+    std::size_t bad = 0, allocs = 0;
+    unsigned char next = 1;
+    auto held = [&](vmm::stream_t s) { return queued.count(s) != 0; };
+    auto complete = [&](vmm::stream_t s) {
+      for (const write& w : queued[s]) std::memset(w.p, w.v, w.n);
+      queued.erase(s);
+      hb->complete_stream(s);
+    };
+    for (int op = 0; op < 4000; ++op) {
+      const unsigned pick = static_cast<unsigned>(r() % 100);
+      if (pick < 45 && live.size() < 24) {
+        const vmm::stream_t s = streams[r() % 4];
+        const int k = static_cast<int>(6 + r() % 18);
+        const std::size_t n = (std::size_t{1} << k) + r() % (std::size_t{1} << k);
+        auto* p = static_cast<unsigned char*>(a.try_allocate(n, 0, s));
+        if (!p) {
+          REQUIRE(vmm::last_error().st.kind == vmm::errc::out_of_memory);
+          continue;
+        }
+        ++allocs;
+        const unsigned char v = next++ | 1;
+        if (held(s)) queued[s].push_back({p, n, v});
+        else std::memset(p, v, n);
+        live.push_back({p, n, v, s});
+      } else if (pick < 85 && !live.empty()) {
+        const std::size_t k = r() % live.size();
+        const blk b = live[k];
+        if (!held(b.s))  // its own writes have all landed: any other byte is another stream's
+          for (std::size_t i = 0; i < b.n; ++i) bad += b.p[i] != b.v;
+        a.deallocate(b.p, b.s);
+        live[k] = live.back();
+        live.pop_back();
+      } else if (pick < 95) {
+        const vmm::stream_t s = streams[r() % 4];
+        if (held(s)) complete(s);
+        else {
+          hb->hold_stream(s);
+          queued[s];
+        }
+      } else if (queued.empty()) {
+        a.trim(0);  // it waits for streams' work: a held stream's would never come (EPERM)
+      }
+    }
+    while (!queued.empty()) complete(queued.begin()->first);
+    for (const blk& b : live) {
+      for (std::size_t i = 0; i < b.n; ++i) bad += b.p[i] != b.v;
+      a.deallocate(b.p, b.s);
+    }
+    CHECK(allocs > 500);
+    CHECK(bad == 0);
     CHECK(a.check() == "");
   }
 }

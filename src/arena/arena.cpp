@@ -152,6 +152,12 @@ bool arena::usable_for(mem_handle h, stream_t s) {
   return true;
 }
 
+bool arena::in_flight(mem_handle h) {
+  for (const auto& r : retiring_)
+    if (r.h == h && r.names_live_handle() && r.fence && !drv_.fence_done(r.fence)) return true;
+  return false;
+}
+
 bool arena::aliased(mem_handle h, bool fenced_only, bool after_work) const {
   for (const auto& r : retiring_) {
     if (r.h != h || !r.names_live_handle() || (!r.fence && fenced_only)) continue;

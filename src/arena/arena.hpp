@@ -104,6 +104,9 @@ class arena {
     std::uint32_t owner = 0;
     std::uint16_t heap = 0;
     stream_t stream = nullptr;  // where the memory will be used (the requesting heap's)
+    // A piece is a retired range's handle whose stream's queued work may still write it: the
+    // whole mapping is that stream's until a fence on it completes (the heap tags it so).
+    bool in_flight = false;
     bool pressed = false;       // the heap gave free memory back first (free_memory_margin)
     std::vector<vm::piece> pieces;
     std::vector<bool> marked;           // the policies' word on each mapped piece (compression)
@@ -275,6 +278,8 @@ class arena {
   // Whether h is still mapped by a retired range (fenced_only: one that waits for a stream;
   // after_work: not one the pending job unmaps, before its releases).
   bool aliased(mem_handle h, bool fenced_only = false, bool after_work = false) const;
+  // Whether a retired range of h has a fence not yet complete (its stream's work may write h).
+  bool in_flight(mem_handle h);
   // Whether idle handle h may be mapped for work on stream s now: no retired range of h waits for
   // another stream's fence. A retired handle serves its own stream at once (stream order puts the
   // old work first); any other stream's work could overlap the old work on the same memory.

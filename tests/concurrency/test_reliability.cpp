@@ -11,6 +11,8 @@
 //   * the driver never sees two calls at once on one handle or VA range: six threads under a
 //     memory limit with trim() beside them, on a host backend whose calls take as long as the
 //     driver's (it aborts, naming both calls, on a violation)
+//   * the same on six streams with the GPU running behind (held streams, late kernels): no
+//     stream's queued kernel writes a block the allocator handed to another stream
 #include <doctest/doctest.h>
 
 #include <array>
@@ -194,6 +196,95 @@ TEST_CASE("six threads, a memory limit and trim(): never two driver calls at onc
     CHECK(half != nullptr);
     a.deallocate(half);
   }
+}
+
+// The GPU race program on the host: six threads, each with its own stream, a memory limit and
+// trim(), and a GPU that runs behind them: a seventh thread holds and completes the streams at
+// random, so kernels (host_backend::launch) that write and check each block land late, and
+// waits block until the stream completes. A block handed to one stream while another's queued
+// kernel still writes it shows as wrong bytes here (and as a data race under TSan).
+TEST_CASE("six threads on six streams, a memory limit, trim() and a GPU running behind: no stream's kernel lands in another's block") {
+  const std::size_t limit = 64 * MiB;
+  options o = limited(limit);
+  o.reservation_size = 1 * GiB;
+  host_backend_options h;
+  h.call_us = 30;
+  h.reuse_handles = true;
+  h.waits_block = true;
+  auto b = make_backend<host_backend>(h);
+  host_backend* hb = backend_cast<host_backend>(*b);
+  auto a = allocator_access::make(std::move(b), o, tuning{});
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500 * kScale);
+  std::array<stream_t, 6> streams;
+  for (int t = 0; t < 6; ++t) streams[t] = reinterpret_cast<stream_t>(std::uintptr_t{0x100} + t);
+  // Every 64th byte and the last stand for the block (blocks are 256-aligned).
+  auto put = [](unsigned char* p, std::size_t n, unsigned char v) {
+    for (std::size_t i = 0; i < n; i += 64) p[i] = v;
+    p[n - 1] = v;
+  };
+  std::atomic<std::uint64_t> ok{0}, other{0}, bad{0}, checked{0};
+  std::atomic<bool> done{false};
+  std::thread gpu([&] {
+    std::mt19937_64 r(99);
+    std::array<bool, 6> held{};
+    while (!done.load()) {
+      const std::size_t i = r() % 6;
+      if (held[i]) hb->complete_stream(streams[i]);
+      else hb->hold_stream(streams[i]);
+      held[i] = !held[i];
+      std::this_thread::sleep_for(std::chrono::microseconds(r() % 300));
+    }
+    for (std::size_t i = 0; i < 6; ++i)
+      if (held[i]) hb->complete_stream(streams[i]);
+  });
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 6; ++t)
+    ts.emplace_back([&, t] {
+      std::mt19937_64 r(static_cast<std::uint64_t>(t) + 7);
+      const stream_t s = streams[t];
+      struct blk { unsigned char* p; std::size_t n; unsigned char v; };
+      std::vector<blk> mine;
+      unsigned char next = 1;
+      for (std::uint64_t n = 1; std::chrono::steady_clock::now() < until; ++n) {
+        if (n % 1000 == 0) a.trim(0);
+        if (mine.size() < 32 && r() % 3 != 0) {
+          const int k = std::uniform_int_distribution<int>(6, 23)(r);
+          const std::size_t size = (std::size_t{1} << k) + r() % (std::size_t{1} << k);
+          auto* p = static_cast<unsigned char*>(a.try_allocate(size, 0, s));
+          if (!p) {
+            if (last_error().st.kind != errc::out_of_memory) ++other;
+            continue;
+          }
+          ++ok;
+          const unsigned char v = next++ | 1;
+          hb->launch(s, [=] { put(p, size, v); });
+          mine.push_back({p, size, v});
+        } else if (!mine.empty()) {
+          const std::size_t i = r() % mine.size();
+          const blk x = mine[i];
+          if (r() % 4 == 0)
+            hb->launch(s, [x, &bad, &checked] {  // stream-ordered: after the block's own kernel
+              std::uint64_t w = x.p[x.n - 1] != x.v;
+              for (std::size_t j = 0; j < x.n; j += 64) w += x.p[j] != x.v;
+              bad += w;
+              ++checked;
+            });
+          a.deallocate(x.p, s);
+          mine[i] = mine.back();
+          mine.pop_back();
+        }
+      }
+      for (const blk& x : mine) a.deallocate(x.p, s);
+    });
+  for (auto& t : ts) t.join();
+  done = true;
+  gpu.join();
+  MESSAGE(ok.load() << " allocations, " << checked.load() << " blocks checked");
+  CHECK(other.load() == 0);
+  CHECK(checked.load() > 100);
+  CHECK(bad.load() == 0);
+  CHECK(a.stats().peak_physical <= limit);
+  CHECK(a.check() == "");
 }
 
 TEST_CASE("pressure: after every free, limit - granularity fits without trim()") {

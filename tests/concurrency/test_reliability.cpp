@@ -214,7 +214,8 @@ TEST_CASE("six threads on six streams, a memory limit, trim() and a GPU running 
   auto b = make_backend<host_backend>(h);
   host_backend* hb = backend_cast<host_backend>(*b);
   auto a = allocator_access::make(std::move(b), o, tuning{});
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500 * kScale);
+  // A count of operations, not a time: the TSan tree runs a hundred times slower.
+  const std::uint64_t ops = 500 * kScale;
   std::array<stream_t, 6> streams;
   for (int t = 0; t < 6; ++t) streams[t] = reinterpret_cast<stream_t>(std::uintptr_t{0x100} + t);
   // Every 64th byte and the last stand for the block (blocks are 256-aligned).
@@ -245,8 +246,8 @@ TEST_CASE("six threads on six streams, a memory limit, trim() and a GPU running 
       struct blk { unsigned char* p; std::size_t n; unsigned char v; };
       std::vector<blk> mine;
       unsigned char next = 1;
-      for (std::uint64_t n = 1; std::chrono::steady_clock::now() < until; ++n) {
-        if (n % 1000 == 0) a.trim(0);
+      for (std::uint64_t n = 1; n <= ops; ++n) {
+        if (n % 200 == 0) a.trim(0);
         if (mine.size() < 32 && r() % 3 != 0) {
           const int k = std::uniform_int_distribution<int>(6, 23)(r);
           const std::size_t size = (std::size_t{1} << k) + r() % (std::size_t{1} << k);
@@ -281,7 +282,7 @@ TEST_CASE("six threads on six streams, a memory limit, trim() and a GPU running 
   gpu.join();
   MESSAGE(ok.load() << " allocations, " << checked.load() << " blocks checked");
   CHECK(other.load() == 0);
-  CHECK(checked.load() > 100);
+  CHECK(checked.load() > 50);
   CHECK(bad.load() == 0);
   CHECK(a.stats().peak_physical <= limit);
   CHECK(a.check() == "");

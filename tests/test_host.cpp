@@ -20,6 +20,7 @@
 #include "arena/arena.hpp"
 #include "support/fault_backend.hpp"
 #include "support/host_alloc.hpp"
+#include "support/marks.hpp"
 
 namespace {
 
@@ -330,19 +331,8 @@ TEST_CASE("streams: a block freed on S1 with its fence pending is never handed t
   }
 }
 
-// Every 64th byte and the last stand for a block (blocks are 256-aligned, so two blocks that
-// overlap share such bytes): writing whole blocks would cost gigabytes of stores a run.
-namespace {
-void put_mark(unsigned char* p, std::size_t n, unsigned char v) {
-  for (std::size_t i = 0; i < n; i += 64) p[i] = v;
-  p[n - 1] = v;
-}
-std::size_t wrong_marks(const unsigned char* p, std::size_t n, unsigned char v) {
-  std::size_t w = p[n - 1] != v;
-  for (std::size_t i = 0; i < n; i += 64) w += p[i] != v;
-  return w;
-}
-}  // namespace
+using vmm::test::put_mark;
+using vmm::test::wrong_marks;
 
 // The GPU race program's failure, on the host: a kernel still queued on stream S writes the block
 // S freed after the allocator handed that memory to another stream. Held streams' kernels

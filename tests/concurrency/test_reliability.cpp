@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "frontend/allocator_access.hpp"
+#include "support/marks.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
 
@@ -218,11 +219,6 @@ TEST_CASE("six threads on six streams, a memory limit, trim() and a GPU running 
   const std::uint64_t ops = 500 * kScale;
   std::array<stream_t, 6> streams;
   for (int t = 0; t < 6; ++t) streams[t] = reinterpret_cast<stream_t>(std::uintptr_t{0x100} + t);
-  // Every 64th byte and the last stand for the block (blocks are 256-aligned).
-  auto put = [](unsigned char* p, std::size_t n, unsigned char v) {
-    for (std::size_t i = 0; i < n; i += 64) p[i] = v;
-    p[n - 1] = v;
-  };
   std::atomic<std::uint64_t> ok{0}, other{0}, bad{0}, checked{0};
   std::atomic<bool> done{false};
   std::thread gpu([&] {
@@ -258,16 +254,14 @@ TEST_CASE("six threads on six streams, a memory limit, trim() and a GPU running 
           }
           ++ok;
           const unsigned char v = next++ | 1;
-          hb->launch(s, [=] { put(p, size, v); });
+          hb->launch(s, [=] { test::put_mark(p, size, v); });
           mine.push_back({p, size, v});
         } else if (!mine.empty()) {
           const std::size_t i = r() % mine.size();
           const blk x = mine[i];
           if (r() % 4 == 0)
             hb->launch(s, [x, &bad, &checked] {  // stream-ordered: after the block's own kernel
-              std::uint64_t w = x.p[x.n - 1] != x.v;
-              for (std::size_t j = 0; j < x.n; j += 64) w += x.p[j] != x.v;
-              bad += w;
+              bad += test::wrong_marks(x.p, x.n, x.v);
               ++checked;
             });
           a.deallocate(x.p, s);

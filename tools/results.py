@@ -28,7 +28,9 @@ Sections and where their data comes from:
 A --quick run of models or hf is a smoke test: it is written only when --only names its section.
   alloc_free, trace, growth, driver, random, kvcache
                extras.log: the output of each benchmark of the bench step (trace: the
-               trace_overhead rows of bench_alloc_free)
+               trace_overhead rows of bench_alloc_free), as each section's own tables (the
+               peers side by side, per-mapping costs); Google Benchmark's rows as printed where
+               VMM_GPU_CHECK_BENCHES or a filter left a section's benchmarks out
 
 Python 3, standard library only.
 """
@@ -175,6 +177,165 @@ def gbench_table(runs, keep):
     return ["| benchmark | time | CPU | iterations | counters |", "|---|---:|---:|---:|---|"] + rows, cmds
 
 
+UNIT_NS = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}
+SUFFIX = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+def gbench_values(runs):
+    """Google Benchmark's console lines -> name -> (real time in ns, {counter: value})."""
+    vals = {}
+    for _, _, lines in runs:
+        for line in lines:
+            m = GBENCH.match(line)
+            if m:
+                ctr = {k: float(v) * SUFFIX[x] for k, v, x in
+                       re.findall(r"(\S+?)=([\d.]+(?:e[-+]?\d+)?)([kMGmun]?)(?:/s)?(?=\s|$)", m.group(7))}
+                vals[m.group(1)] = (float(m.group(2)) * UNIT_NS[m.group(3)], ctr)
+    return vals
+
+
+def num(x):
+    """Three significant figures, thousands separated."""
+    if x >= 1000:
+        return "{:,.0f}".format(x)
+    return "%.0f" % x if x >= 100 else "%.1f" % x if x >= 10 else "%.2f" % x
+
+
+def per_second(x):
+    return "%.2f M/s" % (x / 1e6) if x >= 1e6 else "%.1f k/s" % (x / 1e3)
+
+
+SIZES = [(256, "256 B"), (4096, "4 KiB"), (65536, "64 KiB"), (262144, "256 KiB"), (1048576, "1 MiB"),
+         (16777216, "16 MiB")]
+
+
+def alloc_free_body(v):
+    """The pairs by size and threads against the peers, then the pairs beside a growing thread."""
+    rows = []
+    for size, label in SIZES:
+        for key, peer in (("vmmalloc_cuda", "vmmalloc"), ("cudaMallocAsync", "cudaMallocAsync"),
+                          ("torch", "PyTorch caching")):
+            t = [v.get("alloc_free/%s/bytes:%d/real_time/threads:%d" % (key, size, n)) for n in (1, 2, 4, 8, 16)]
+            if all(t):
+                ns = [x[0] for x in t]
+                rows.append("| %s | %s | %s | %.2gx |" % (label, peer, " | ".join(num(x) for x in ns), ns[0] / ns[3]))
+    if not rows:
+        return None
+    out = ["PyTorch caching is its caching allocator through libtorch's `raw_alloc` / "
+           "`raw_delete` (`bench_alloc_free` built with `-DVMM_WITH_TORCH=ON`).", "",
+           "| size | allocator | 1 | 2 | 4 | 8 | 16 threads | 8 vs 1 |", "|---|---|---:|---:|---:|---:|---:|---:|"] + rows
+    beside = [(n, v["beside_growth/vmmalloc_cuda/real_time/threads:%d" % n][0]) for n in (1, 2, 4, 8, 16)
+              if "beside_growth/vmmalloc_cuda/real_time/threads:%d" % n in v]
+    if beside:
+        out += ["", "Pairs while another thread grows the heap (`beside_growth`): the benchmark's threads make "
+                "pairs of 256 KiB .. 4 MiB in turn while one more thread grows by a 256 MiB chunk at a time "
+                "(8 held, then freed and trimmed), its driver calls outside the allocator's lock.", "",
+                "| pair threads | ns per pair |", "|---:|---:|"] + ["| %d | %s |" % (n, num(x)) for n, x in beside]
+    return out
+
+
+def growth_body(v):
+    inplace = [("after a shrink that released the chunk", "growth_inplace/vmmalloc_cuda/real_time"),
+               ("after a shrink that kept the handle", "growth_inplace_kept/vmmalloc_cuda/real_time"),
+               ("with the handle in the allocator's idle pool", "growth_inplace_shared/vmmalloc_cuda/real_time"),
+               ("the same growth as 512 chunks of 2 MiB", "growth_inplace_2mib_chunks/vmmalloc_cuda/real_time"),
+               ("into fresh memory", "growth_inplace_fresh/vmmalloc_cuda/iterations:8/real_time"),
+               ("64 MiB steps up to 8 GiB, per step", "growth_steps/vmmalloc_cuda/64MiB_to_8GiB/real_time")]
+    rows = ["| %s (`%s`) | %s |" % (label, name.split("/")[0], num(v[name][0] / 1e3)) for label, name in inplace
+            if name in v]
+    copy = ["| %s | %.2f |" % (label, v["growth_copy/%s/real_time" % key][0] / 1e6)
+            for key, label in (("vmmalloc_cuda", "vmmalloc"), ("cudaMalloc", "cudaMalloc"),
+                               ("cudaMallocAsync", "cudaMallocAsync")) if "growth_copy/%s/real_time" % key in v]
+    if not rows and not copy:
+        return None
+    out = []
+    if rows:
+        out += ["In place (`vmm::growable_buffer`, CUDA backend):", "", "| variant | µs, real time |", "|---|---:|"] + rows
+    if copy:
+        out += ([""] if out else []) + ["By copying, against the peers:", "",
+                                        "| allocate 2 GiB, copy 1 GiB, free the old buffer (`growth_copy`) | ms |",
+                                        "|---|---:|"] + copy
+    return out
+
+
+def driver_body(v):
+    found = []
+    for name, (_, c) in v.items():
+        m = re.match(r"^(remap\w*/(\w+))/handles:(\d+)$", name)
+        if m and {"map_us", "access_us", "unmap_us"} <= c.keys():
+            found.append((m.group(2) != "cuda", m.group(1), int(m.group(3)), c))
+    if not found:
+        return None
+    return ["| benchmark | N | map | set-access (one call) | unmap |", "|---|---:|---:|---:|---:|"] + [
+        "| %s | %d | %.2f | %.1f | %.1f |" % (b, n, c["map_us"], c["access_us"], c["unmap_us"])
+        for _, b, n, c in sorted(found, key=lambda f: f[:3])]
+
+
+def random_body(v):
+    rows = []
+    for n in (1000, 10000):
+        for mx in (1, 64):
+            key = lambda a: "random/%s/N:%d/max_MiB:%d/real_time" % (a, n, mx)
+            if not all(key(a) in v for a in ("vmmalloc_cuda", "cudaMallocAsync", "cudaMalloc")):
+                continue
+            vm, asy, cm = (v[key(a)][1] for a in ("vmmalloc_cuda", "cudaMallocAsync", "cudaMalloc"))
+            rows.append("| {:,} | {} MiB | {} | {:.3f} | {} | {:.3f} | {} |".format(
+                n, mx, per_second(vm["items_per_second"]), vm["mapped/live"], per_second(asy["items_per_second"]),
+                asy["mapped/live"], per_second(cm["items_per_second"])))
+    if not rows:
+        return None
+    return ["| N | max | vmmalloc CUDA | mapped/live | cudaMallocAsync | mapped/live | cudaMalloc |",
+            "|---:|---:|---:|---:|---:|---:|---:|"] + rows
+
+
+CURATED = {"alloc_free": alloc_free_body, "growth": growth_body, "driver": driver_body, "random": random_body}
+
+
+def md_tables(lines):
+    """Markdown table lines -> [(header cells, [row cells])]."""
+    out, head = [], None
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            head = None
+        elif head is None:
+            head = cells
+            out.append((head, []))
+        elif not set(line) <= set("|-: "):
+            out[-1][1].append(dict(zip(head, cells)))
+    return out
+
+
+def replay_body(replay, torch):
+    """vmm-replay's tables (and the torch rows) -> one row an allocator, then the pages-touched bound."""
+    names = {"vmmalloc (cuda)": "vmmalloc (CUDA backend)", "cudaMalloc": "cudaMalloc",
+             "cudaMallocAsync": "cudaMallocAsync"}
+    rows, bound = [], None
+    for head, recs in md_tables(replay):
+        for r in recs:
+            if "ns/event" in head and r["allocator"] in names:
+                calls = r["driver calls"] if r["allocator"].startswith("vmmalloc") else "–"
+                rows.append([names[r["allocator"]], float(r["ns/event"]), r["mapped/live"],
+                             "{:,}".format(int(calls)) if calls.isdigit() else calls])
+            elif "pages touched" in head and r["allocator"] == "vmmalloc":
+                bound = r
+    # gpu-check's torch rows come without a header: the timing table's columns, default then expandable.
+    torch_rows = [c for c in ([x.strip() for x in l.strip().strip("|").split("|")] for l in torch)
+                  if len(c) == 8 and c[0] == "torch" and "MiB" not in c[1]]
+    for label, c in zip(("PyTorch caching allocator (libtorch)", "PyTorch expandable segments"),
+                        torch_rows if len(torch_rows) == 2 else []):
+        rows.append([label, float(c[1]), c[5], "–"])
+    if not rows:
+        return None
+    out = ["`vmm-replay bench/traces/trace-dev-small.txt.gz`, each allocator on the GPU:", "",
+           "| allocator | ns/event | peak mapped / peak live | driver calls |", "|---|---:|---:|---:|"]
+    out += ["| %s | %s | %s | %s |" % (a, num(ns), ratio, calls) for a, ns, ratio, calls in rows]
+    if bound:
+        out += ["", "Pages touched (2 MiB pages of vmmalloc's addresses holding a live byte, at their peak): %s x "
+                "peak live; vmmalloc's peak mapped is %s x that." % (bound["touched/live"], bound["mapped/touched"])]
+    return out
+
+
 def quick(args):
     """A smoke test (--quick), not a measurement: its section is left alone unless --only names it."""
     return "--quick" in args.split()
@@ -252,13 +413,9 @@ def sections_of(outdir, only=None):
         out["stress"] = (gpu_check("stress", VMM_GPU_CHECK_STRESS_OPS=ops if ops != "1000000" else ""), rows)
 
     if ran(keys.get("replay")):
-        table = [l for l in blocks.get("replay", []) if l.startswith("|")]
-        torch = [l for l in blocks.get("torch", []) if l.startswith("| torch ")]
-        names = ["PyTorch caching allocator (torch)", "PyTorch expandable segments (torch)"]
-        table += [l.replace("| torch ", "| %s " % names[i], 1) for i, l in enumerate(torch[:2])]
-        if table:
-            head = ["`bench/traces/trace-dev-small.txt.gz`, CUDA backend:", ""]
-            out["replay"] = (gpu_check("replay"), head + table)
+        body = replay_body(blocks.get("replay", []), blocks.get("torch", []))
+        if body:
+            out["replay"] = (gpu_check("replay"), body)
 
     if ran(keys.get("models")):
         args, env = step_args(keys["models"], "--full")
@@ -299,8 +456,9 @@ def sections_of(outdir, only=None):
                     out[sid] = (runs_of([mine[-1][1]]), lines)
                 continue
             table, cmds = gbench_table(mine, lambda b: not b.startswith("trace_overhead/"))
-            if table:
-                out[sid] = (runs_of(cmds), table)
+            curated = CURATED[sid](gbench_values(mine)) if table else None
+            if table:  # the section's own tables; Google Benchmark's rows where its benchmarks were filtered out
+                out[sid] = (runs_of(cmds), curated or table)
             if name == "bench_alloc_free":
                 table, cmds = gbench_table(mine, lambda b: b.startswith("trace_overhead/"))
                 if table:

@@ -60,8 +60,8 @@ kernels that stay nondeterministic (--nondeterministic turns the settings off, -
 PyTorch's fused attention).
 
 Output: a markdown table on stdout, and real_models.md + real_models.json in --out (default
-$VMM_OUT when set, else ./real-models-out). --trace DIR: the llama run under vmmalloc records its
-allocation trace (VMMALLOC_TRACE, trace format v2) into DIR/<model>-vmmalloc.trace.gz (--trace-model, default llama), and when
+$VMM_OUT when set, else ./real-models-out). --trace DIR: the vmmalloc run of each model in --trace-model (a comma list, default llama) records
+its allocation trace (VMMALLOC_TRACE, trace format v2) into DIR/<model>-vmmalloc.trace.gz, and when
 vmm-replay is found (--replay-bin, else build*/tools/replay/) the trace is replayed on the GPU
 through vmmalloc and cudaMallocAsync so the replay's peaks can be set beside the real process's.
 
@@ -539,8 +539,7 @@ def markdown(result):
                 e.get("set_access_calls", 0), e.get("releases", 0), e["driver_ns"] / 1e6, e.get("record_fences", 0),
                 e.get("fence_queries", 0), e.get("fence_waits", 0), e.get("fence_ns", 0) / 1e6,
                 e.get("chunks_retired", 0), busy, ms("median_step_driver_s"), ms("median_step_without_driver_s")))
-    tr = result.get("trace")
-    if tr:
+    for tr in result.get("traces") or []:
         lines += ["", "Trace of the %s run under vmmalloc: %s (%s)." % (tr.get("model", "-"), tr.get("path", "-"),
                                                                       tr.get("status", ""))]
         for row in tr.get("rows", []):
@@ -1359,7 +1358,7 @@ def replay_trace(a, run, trace_gz, budget_left, runs):
     with open(js) as f:
         rows = json.load(f)
     out["status"] = "replayed in %.0f s" % out["replay_s"]
-    real = {r["allocator"]: r for r in runs if r["model"] == "llama" and r.get("round", 1) == 1 and r.get("status") == "ok"}
+    real = {r["allocator"]: r for r in runs if r["model"] == run["model"] and r.get("round", 1) == 1 and r.get("status") == "ok"}
     for r in rows:
         name = r.get("name")
         if name == "null":
@@ -1405,7 +1404,7 @@ def driver(a):
         a.run_timeout), flush=True)
     runs, slowest = [], {}
     skip77 = False
-    trace_section = None
+    traces = []  # one section a recorded model
     # Even rounds run the allocators in reverse order (A B, B A, A B ...): neither always runs
     # first, after a build or another model's process.
     order = lambda r: a.allocators if r % 2 == 1 else a.allocators[::-1]
@@ -1425,7 +1424,7 @@ def driver(a):
             continue
         limit = a.run_timeout if left is None else min(a.run_timeout, left)
         tpath = None
-        if trace_dir and model == a.trace_model and alloc == "vmmalloc" and rnd == 1:
+        if trace_dir and model in a.trace_models and alloc == "vmmalloc" and rnd == 1:
             tpath = os.path.join(trace_dir, "%s-vmmalloc.trace" % model)
         r = run_one(a, model, alloc, limit, logdir, tpath, rnd)
         r["round"] = rnd
@@ -1450,12 +1449,13 @@ def driver(a):
                 shutil.copyfileobj(src, dst)
             os.remove(tpath)
             left = (a.budget - (time.perf_counter() - T_START)) if a.budget else 600
-            trace_section = {"model": model, "run_status": r.get("status"), "size_bytes": os.path.getsize(gz)}
-            trace_section.update(replay_trace(a, r, gz, left, runs) if r.get("status") == "ok"
-                                 else {"path": gz, "status": "recorded by a run that failed", "rows": []})
+            sec = {"model": model, "run_status": r.get("status"), "size_bytes": os.path.getsize(gz)}
+            sec.update(replay_trace(a, r, gz, left, runs) if r.get("status") == "ok"
+                       else {"path": gz, "status": "recorded by a run that failed", "rows": []})
+            traces.append(sec)
         elif tpath:
-            trace_section = {"model": model, "path": tpath, "status": "no trace written (the run %s)" % r.get("status"),
-                             "rows": []}
+            traces.append({"model": model, "path": tpath, "status": "no trace written (the run %s)" % r.get("status"),
+                           "rows": []})
     if skip77 and not any(r.get("status") == "ok" for r in runs):
         print("real_models: skipped: %s" % next((r.get("reason") for r in runs if r.get("exit77")), "no CUDA"))
         shutil.rmtree(logdir, ignore_errors=True)
@@ -1463,10 +1463,12 @@ def driver(a):
 
     comparisons = compare_runs(runs, a.loss_rtol)
     failures, notes = judge(runs, comparisons)
-    if trace_section and not str(trace_section.get("status", "")).startswith("replayed"):
-        notes.append("trace: %s" % trace_section.get("status"))
-    if trace_section and trace_section.get("run_status") == "ok":
-        notes.append("%s / vmmalloc recorded its trace (VMMALLOC_TRACE): its timings include the recording" % a.trace_model)
+    for sec in traces:
+        if not str(sec.get("status", "")).startswith("replayed"):
+            notes.append("trace of %s: %s" % (sec["model"], sec.get("status")))
+        if sec.get("run_status") == "ok":
+            notes.append("%s / vmmalloc recorded its trace (VMMALLOC_TRACE): its timings include the recording" %
+                         sec["model"])
     ok = [r for r in runs if r.get("status") == "ok"]
     first = ok[0] if ok else {}
     for r in ok:
@@ -1484,7 +1486,7 @@ def driver(a):
             "workloads": {m: MODELS[m][a.mode] for m in a.models}}
     total = time.perf_counter() - T_START
     result = {"meta": meta, "runs": runs, "comparisons": comparisons, "failures": failures, "notes": notes,
-              "trace": trace_section, "seconds": total, "passed": not failures}
+              "traces": traces, "seconds": total, "passed": not failures}
     md = markdown(result)
     print()
     print(md)
@@ -1513,7 +1515,8 @@ def parse(argv=None):
                    help="environment of the vmmalloc runs (repeatable), e.g. VMMALLOC_RELEASE_THRESHOLD=0")
     p.add_argument("--out", default=os.environ.get("VMM_OUT") or "real-models-out")
     p.add_argument("--trace", metavar="DIR", help="record one model's run under vmmalloc into DIR and replay it")
-    p.add_argument("--trace-model", default="llama", help="the model whose vmmalloc run --trace records (default llama)")
+    p.add_argument("--trace-model", default="llama",
+                   help="comma list of the models whose vmmalloc runs --trace records (default llama)")
     p.add_argument("--replay-bin", help="vmm-replay for --trace (default: the newest build*/tools/replay/vmm-replay)")
     p.add_argument("--budget", type=float, help="seconds for the whole suite; runs that would not fit are "
                                                 "skipped (default 500 with --full, none with --quick)")
@@ -1553,6 +1556,7 @@ def parse(argv=None):
     try:
         a.models = pick(a.models, tuple(MODELS), "models")
         a.allocators = pick(a.allocators, ALLOCATORS, "allocators")
+        a.trace_models = pick(a.trace_model, tuple(MODELS), "trace models")
         a.vmm_env = parse_env(a.env)
     except ValueError as e:
         p.error(str(e))

@@ -416,12 +416,22 @@ class Driver(unittest.TestCase):
             self.assertTrue(f.readline().startswith("# vmmalloc-trace v2"))
         self.assertFalse(os.path.exists(os.path.join(tdir, "bert-vmmalloc.trace")))
         self.assertFalse(os.path.exists(os.path.join(tdir, "llama-vmmalloc.trace.gz")))
-        self.assertEqual(res["trace"]["path"], gz)
-        self.assertEqual(res["trace"]["model"], "bert")
-        self.assertIn("vmm-replay not found", res["trace"]["status"])
+        self.assertEqual([t["path"] for t in res["traces"]], [gz])
+        self.assertEqual(res["traces"][0]["model"], "bert")
+        self.assertIn("vmm-replay not found", res["traces"][0]["status"])
         self.assertEqual(len(res["runs"]), 4)
         with open(os.path.join(out, "real_models.md")) as f:
             self.assertIn("Trace of the bert run under vmmalloc: %s" % gz, f.read())
+
+    def test_trace_of_several_models(self):
+        tdir = tempfile.mkdtemp(prefix="rm-trace-")
+        self.addCleanup(shutil.rmtree, tdir, True)
+        text, res, out = self.run_suite({}, "--models", "llama,bert", "--allocators", "vmmalloc", "--trace", tdir,
+                                        "--trace-model", "bert,llama", "--replay-bin", "/nonexistent/vmm-replay",
+                                        expect_rc=0)
+        self.assertEqual(sorted(t["model"] for t in res["traces"]), ["bert", "llama"])
+        for m in ("bert", "llama"):
+            self.assertTrue(os.path.exists(os.path.join(tdir, "%s-vmmalloc.trace.gz" % m)))
 
 
 if __name__ == "__main__":

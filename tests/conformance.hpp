@@ -228,11 +228,11 @@ TEST_CASE_TEMPLATE_DEFINE("conformance: repeated growth is geometric (few driver
   CHECK(a.check() == "");
 }
 
-TEST_CASE_TEMPLATE_DEFINE("conformance: a huge request is one mapping of handles of at most huge_chunk", T, conf_09) {
-  for (std::size_t hc : {std::size_t{0}, vmm::tuning{}.huge_chunk}) {
+TEST_CASE_TEMPLATE_DEFINE("conformance: a huge request is one mapping of handles of at most max_handle", T, conf_09) {
+  for (std::size_t hc : {std::size_t{0}, vmm::tuning{}.max_handle}) {
     CAPTURE(hc);
     vmm::tuning t;
-    t.huge_chunk = hc;
+    t.max_handle = hc;
     auto a = T::make(conf::small_options(), t);
     void* p = a.allocate(700 * conf::MiB);
     auto s = a.stats();

@@ -546,7 +546,7 @@ TEST_CASE("huge blocks in handles: a split huge block's wholly free handles serv
     vmm::tuning t;
     t.thread_cache_large = false;
     const std::size_t huge = std::max<std::size_t>(t.huge_threshold, 64 * MiB) * 2;
-    t.huge_chunk = chunked ? huge / 8 : 0;
+    t.max_handle = chunked ? huge / 8 : 0;
     auto [hb, a] = vmm::test::make_host_alloc(conf::small_options(), t);
     const auto c0 = a.stats().calls;
     void* p = a.allocate(huge);
@@ -570,6 +570,39 @@ TEST_CASE("huge blocks in handles: a split huge block's wholly free handles serv
     a.trim(0);
     CHECK(a.stats().mapped == 0);
   }
+}
+
+TEST_CASE("a cached huge block a little smaller than the next request grows in place by the pages it lacks") {
+  // A tensor grown by torch.cat a token at a time: the freed block is one page short of the next
+  // request every few tokens. It is mapped again only where it lacks pages, right after its end
+  // (huge blocks are placed with unmapped VA after them), not remapped whole.
+  vmm::tuning t;
+  t.thread_cache_large = false;  // the freed block goes to the heap's cache
+  auto [hb, a] = vmm::test::make_host_alloc(conf::small_options(), t);
+  const std::size_t n = t.huge_threshold + 72 * MiB;
+  void* p = a.allocate(n);
+  host_traits::fill(p, n, 3);
+  a.deallocate(p);
+  const auto c0 = a.stats().calls;
+  void* q = a.allocate(n + 3 * MiB);  // two pages more
+  CHECK(q == p);
+  const auto c1 = a.stats().calls;
+  CHECK(c1.create - c0.create == 1);
+  CHECK(c1.map - c0.map == 1);
+  CHECK(c1.set_access - c0.set_access == 1);
+  CHECK(c1.unmap == c0.unmap);
+  CHECK(a.stats().physical == n + 4 * MiB);
+  CHECK(host_traits::verify(p, n, 3));  // the old pages kept their bytes
+  host_traits::fill(q, n + 3 * MiB, 4);
+  CHECK(a.check() == "");
+  a.deallocate(q);
+  void* r = a.allocate(n);  // the grown block, up to 1/8 larger, serves the old size again
+  CHECK(r == p);
+  CHECK(a.stats().calls.total() == c1.total());
+  a.deallocate(r);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(a.check() == "");
 }
 
 TEST_CASE("under a memory limit, pages freed beside a live block go back when the limit binds") {
@@ -906,6 +939,7 @@ TEST_CASE("policy: free_memory_margin gives free memory back before a growth tha
     o.free_memory_margin = margin;
     vmm::tuning t;
     t.thread_cache_large = false;  // every block goes back to the heap at once
+    t.huge_headroom_div = 0;       // H between the spans A and B, which stay apart
     auto a = vmm::allocator_access::make(vmm::test::make_fault_host(st, h), o, t);
     std::vector<void*> v;
     for (int i = 0; i < 16; ++i) v.push_back(a.allocate(16 * M));  // span A

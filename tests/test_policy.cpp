@@ -49,6 +49,7 @@ struct faulty {
 TEST_CASE("grant and revoke apply to every mapped run with one set_access each, and to later mappings") {
   tuning t;
   t.huge_threshold = 4 * MiB;  // dedicated chunks: easy to lay out runs
+  t.huge_headroom_div = 0;     // side by side, no VA left between them
   faulty f(small_reservation(), {}, t);
   void* a = f.a.allocate(4 * MiB);
   void* b = f.a.allocate(4 * MiB);
@@ -271,7 +272,7 @@ TEST_CASE("an ipc policy puts every allocation on chunks of its own; export hand
   options o = small_reservation();
   o.ipc = ipc_kind::posix_fd;
   tuning t;
-  t.huge_chunk = 1;  // the granularity: still one handle an exportable allocation (one export each)
+  t.max_handle = 1;  // the granularity: still one handle an exportable allocation (one export each)
   faulty f(o, {}, t);
   const std::size_t G = f.a.granularity();
   char* p = static_cast<char*>(f.a.allocate(100));

@@ -156,9 +156,11 @@ class arena {
   // memory will be used; an idle handle whose retired range another stream's queued work may
   // still touch is not taken (usable_for). Fails (out_of_memory) without a hole or room under the
   // memory limit. One mapping per job: the caller runs the job before planning another.
+  // headroom != 0 (with at == 0): the range goes at the top of the highest hole that leaves that
+  // many bytes unmapped after it (room to grow in place later), else where it would without.
   result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner, stream_t stream,
                                    std::size_t* mapped = nullptr, std::uint16_t heap = 0,
-                                   std::size_t max_piece = 0, bool pressed = false);
+                                   std::size_t max_piece = 0, bool pressed = false, std::size_t headroom = 0);
   // Gives a wholly free chunk back: it leaves the chunk table at once; its handle goes idle
   // (keep_handle) or is released after its range is unmapped. The caller has made sure no stream
   // still uses it.

@@ -17,15 +17,21 @@ status fail(errc k, const char* op, const char* name) { return {k, 0, name, op};
 
 result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner, stream_t stream,
                                         std::size_t* mapped, std::uint16_t heap, std::size_t max_piece,
-                                        bool pressed) {
+                                        bool pressed, std::size_t headroom) {
   if (size == 0 || size % gran_) return {0, fail(errc::invalid_value, "map", "size not a multiple of the granularity")};
   assert(!work_.maps());  // one mapping per job: the caller ran the last one
   (void)retry_strays();  // a stray mapping holds VA and physical memory: undo it first if the driver lets us
   // Retired ranges whose stream caught up give their VA back first: their unmaps run before the
   // mapping, in the same job; the VA itself is the job's until commit, so it is no hole yet.
   (void)poll_retiring(false);
+  headroom = round_up(headroom, gran_);
   auto hole_for = [&](std::size_t n) -> std::uintptr_t {
     if (at) return hole_at(at, n) ? at : 0;
+    // With headroom, from the top down: the lowest holes stay for the mappings without (spans
+    // extend upwards), so those rarely land in a block's headroom.
+    if (headroom)
+      for (auto it = holes_.rbegin(); it != holes_.rend(); ++it)
+        if (it->second >= n + headroom) return it->first + it->second - n - headroom;
     for (auto& [hs, hn] : holes_)
       if (hn >= n) return hs;
     return 0;

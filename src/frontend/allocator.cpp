@@ -137,7 +137,7 @@ status allocator::impl::settle(std::unique_lock<std::mutex>& lk, bool drop) {
         ar->give_back_chunk(id, true);
       }
     } else if (h) {
-      h->growth_refused();
+      h->growth_refused(j);
     }
   }
   return st;

@@ -5,9 +5,9 @@
 //          from slabs (one G-aligned page carved into equal slots); free = push the slot index.
 //   large  (up to tuning::huge_threshold): TLSF-style good fit over "spans" (contiguous mapped VA), O(1)
 //          search with two bitmaps, immediate coalescing with free neighbours.
-//   huge   (>= huge_threshold, 256 MiB): dedicated chunks per allocation (handles of at
-//          most tuning::huge_chunk), cached on free for a same-size request, unmapped beyond the release
-//          threshold.
+//   huge   (>= huge_threshold, 128 MiB): dedicated chunks per allocation (handles of at
+//          most tuning::max_handle), cached on free for a same-size request, grown in place for a
+//          slightly larger one, unmapped beyond the release threshold.
 //
 // All metadata lives in host memory: device memory is not readable by the CPU. free(p) finds its
 // block in O(1): the page map (page = granularity G) gives the slab of p, or a short chain of the
@@ -108,7 +108,7 @@ class heap {
   // A growth this heap planned, run and committed: its memory joins the heap free, for the request
   // asked again. growth_refused: the driver refused it; the next growth starts small.
   void adopt(const arena::job& j);
-  void growth_refused();
+  void growth_refused(const arena::job& j);
 
   // Releases empty slabs, wholly free chunks and idle handles until kept bytes <= keep.
   status trim(std::size_t keep);

@@ -170,6 +170,10 @@ struct heap::impl {
     planned = false;
   }
   block* fresh_huge = nullptr;  // the huge block adopt() made last (a hint: see allocate_huge)
+  // Cached huge blocks a planned growth extends in place, by the VA where the growth maps (their
+  // end): out of the huge cache and their chunks counted used, so no other thread takes or
+  // evicts them while the job runs; adopt() or growth_refused() puts them back.
+  std::map<std::uintptr_t, block*> extending;
   bool private_pool = false;  // a graph pool's: every mapped byte stays (see heap::set_private)
   std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;
@@ -211,13 +215,13 @@ struct heap::impl {
   bool limited() const {
     return a.tune().limit_chunk && !whole_chunks() && a.memory_limit() != std::numeric_limits<std::size_t>::max();
   }
-  // Largest handle a growth creates (0: one handle): for the spans, and for huge blocks.
-  std::size_t span_piece() const { return limited() ? a.tune().limit_chunk : 0; }
-  std::size_t huge_piece() const {
-    if (whole_chunks()) return 0;
-    const std::size_t h = a.tune().huge_chunk, l = span_piece();
+  // Largest handle a growth creates (0: one handle): for the spans, and for huge blocks (an
+  // exportable block is one handle: each would cost an export).
+  std::size_t span_piece() const {
+    const std::size_t h = a.tune().max_handle, l = limited() ? a.tune().limit_chunk : 0;
     return h && l ? std::min(h, l) : h | l;
   }
+  std::size_t huge_piece() const { return whole_chunks() ? 0 : span_piece(); }
 
   // ---- block pool and page chains ----
   block* new_block();

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Huge blocks: dedicated chunks per allocation (sizes from tuning::huge_threshold, and every
-// allocation of an exportable policy), handles of at most tuning::huge_chunk side by side (one for
-// an exportable policy), cached on free for a same-size request.
+// allocation of an exportable policy), handles of at most tuning::max_handle side by side (one for
+// an exportable policy), cached on free for a same-size request, grown in place for a slightly
+// larger one (VA headroom after each block: tuning::huge_headroom_div).
 #include "heap/heap_impl.hpp"
 
 namespace vmm {
@@ -89,6 +90,31 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
     account(b->addr, b->size, true);
     return {b, {}};
   }
+  // A cached block up to 1/8 smaller with unmapped VA after it grows in place: only the pages it
+  // lacks are mapped (a tensor grown by torch.cat a token at a time frees a block one page short
+  // of the next request every few tokens), not the whole block again.
+  if (!whole_chunks() && mode != grow_mode::never)
+    for (auto it = huge_cache.lower_bound(size - size / 8); it != huge_cache.end() && it->first < size; ++it) {
+      block* b = it->second;
+      const std::uintptr_t end = b->addr + b->size;
+      if (!usable(b, x) || !a.hole_at(end, size - b->size)) continue;
+      huge_cache.erase(it);  // reserved for this growth (see extending)
+      account(b->addr, b->size, true);
+      bool pressed = false;
+      status e = prepare_growth(size - b->size, x, pressed);
+      result<std::uintptr_t> r{0, e};
+      if (e.ok()) r = a.map_range(size - b->size, end, kOwnerHuge, x, nullptr, hid, huge_piece(), pressed);
+      if (pressed) a.release_idle(0);
+      if (r.ok()) {
+        extending.emplace(end, b);
+        planned = true;
+        return {nullptr, {}};
+      }
+      account(b->addr, b->size, false);
+      huge_cache.emplace(b->size, b);
+      if (!e.ok()) return {nullptr, e};
+      break;  // no room for it under the limit: the paths below
+    }
   // Free span memory that fits costs no driver call; chunks of its own would (remapping free
   // chunks, or creating). Real training processes change shapes every step, and with them the
   // sizes of their largest blocks: the cache above misses, span memory is there.
@@ -117,7 +143,9 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   const std::size_t piece = huge_piece();
   std::size_t got = size;
   auto plan = [&] {
-    return a.map_range(size, 0, kOwnerHuge, x, whole_chunks() ? nullptr : &got, hid, piece, pressed);
+    const std::size_t d = whole_chunks() ? 0 : a.tune().huge_headroom_div;
+    return a.map_range(size, 0, kOwnerHuge, x, whole_chunks() ? nullptr : &got, hid, piece, pressed,
+                       d ? size / d + G : 0);
   };
   auto r = plan();
   if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
@@ -155,6 +183,22 @@ void heap::impl::free_huge(block* b, stream_t s) {
 void heap::adopt(const arena::job& j) {
   auto& m = *p_;
   ++m.st.grows;
+  if (auto it = m.extending.find(j.va); j.owner == heap_detail::kOwnerHuge && it != m.extending.end()) {
+    // A cached block grown in place: back in the cache, larger, for the request asked again. A
+    // piece its stream's queued work may still write makes the whole block that stream's.
+    impl::block* b = it->second;
+    m.extending.erase(it);
+    m.account(b->addr, b->size, false);
+    b->size += j.size;
+    if (j.in_flight) {
+      b->flags |= impl::f_tagged;
+      b->stream = j.stream;
+      b->free_seq = ++m.seq;
+    }
+    m.huge_cache.emplace(b->size, b);
+    m.fresh_huge = b;
+    return;
+  }
   if (j.owner == heap_detail::kOwnerHuge) {
     // A dedicated chunk, fresh: in the huge cache the retried request finds it. Untagged, unless a
     // piece may still be written by the stream's queued work (job::in_flight): then it is that
@@ -177,7 +221,16 @@ void heap::adopt(const arena::job& j) {
   m.grown(j.pressed);
 }
 
-void heap::growth_refused() { p_->next_growth = p_->G; }
+void heap::growth_refused(const arena::job& j) {
+  auto& m = *p_;
+  m.next_growth = m.G;
+  if (auto it = m.extending.find(j.va); it != m.extending.end()) {  // the block stays as it was
+    impl::block* b = it->second;
+    m.extending.erase(it);
+    m.account(b->addr, b->size, false);
+    m.huge_cache.emplace(b->size, b);
+  }
+}
 
 status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes,
                            std::size_t& offset) {

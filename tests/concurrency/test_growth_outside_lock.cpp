@@ -211,6 +211,42 @@ TEST_CASE("other threads allocate while a growth waits in create") {
   }
 }
 
+TEST_CASE("a cached huge block grown in place is no other thread's while its growth waits in create") {
+  // The growth maps the pages the block lacks after it, outside the lock: meanwhile another
+  // thread's request of the block's size must not get it, and trim() must not unmap it.
+  tuning t;
+  t.thread_cache_large = false;  // the freed block goes to the heap's cache
+  fixture f({}, t);
+  allocator& a = *f.a;
+  const std::size_t n = t.huge_threshold + 72 * MiB;
+  void* p = a.allocate(n);
+  a.deallocate(p);
+  f.gate->arm(gate_backend::create_call);
+  auto grower = std::async(std::launch::async, [&] { return a.try_allocate(n + 3 * MiB); });
+  REQUIRE(f.gate->wait_entered(10s));
+  auto other = std::async(std::launch::async, [&] {
+    a.trim(0);
+    void* q = a.try_allocate(n);
+    if (q) static_cast<char*>(q)[n - 1] = 1;
+    return std::make_pair(q, a.check());
+  });
+  const bool finished = other.wait_for(10s) == std::future_status::ready;
+  CHECK_MESSAGE(finished, "another thread waited for the growth's driver call");
+  f.gate->open();
+  auto [q, problems] = other.get();
+  void* r = grower.get();
+  CHECK(problems == "");
+  REQUIRE(q != nullptr);
+  CHECK(r == p);  // grown in place
+  CHECK(q != p);  // not handed out twice
+  static_cast<char*>(r)[0] = 1;
+  static_cast<char*>(r)[n + 3 * MiB - 1] = 2;
+  CHECK(a.check() == "");
+  a.deallocate(q);
+  a.deallocate(r);
+  gives_everything_back(a);
+}
+
 TEST_CASE("other threads allocate while a growth waits in map") {
   fixture f;
   others_run_while_growth_blocks(f, gate_backend::map_call, 512 * MiB);

@@ -2,7 +2,7 @@
 // Reliability under concurrency and pressure, on the host backend (CI runs these in the plain,
 // ASan and TSan trees):
 //   * options.memory_limit is a hard cap: peak_physical <= memory_limit with many threads,
-//     growths of one handle or of several (the allocator's huge_chunk and limit_chunk)
+//     growths of one handle or of several (the allocator's max_handle and limit_chunk)
 //   * free memory is reclaimed before out-of-memory: after every free, limit - granularity fits
 //     without a trim()
 //   * a racing double free (with trim() beside it) is refused, never a use-after-free
@@ -129,9 +129,9 @@ TEST_CASE("memory_limit is a hard cap: six threads of mixed sizes never exceed i
   // One handle a growth (limit_chunk 0), and growths of several handles (4 MiB huge, 8 MiB span
   // handles: several creates in one growth, freed huge blocks joining the spans).
   for (int round = 0; round < 4 * kScale; ++round) {
-    t.huge_chunk = round % 2 ? 4 * MiB : 0;
+    t.max_handle = round % 2 ? 4 * MiB : 0;
     t.limit_chunk = round % 2 ? tuning{}.limit_chunk : 0;
-    CAPTURE(t.huge_chunk);
+    CAPTURE(t.max_handle);
     auto a = allocator_access::make(make_backend<host_backend>(), o, t);
     run_result res;
     std::vector<std::thread> ts;

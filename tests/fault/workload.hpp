@@ -47,7 +47,7 @@ inline options sweep_options() {
 inline tuning sweep_tuning() {
   tuning t;
   t.huge_threshold = 16 * MiB;
-  t.huge_chunk = 64 * MiB;
+  t.max_handle = 64 * MiB;
   t.max_growth = 4 * MiB;
   return t;
 }

@@ -619,6 +619,7 @@ TEST_CASE("under a memory limit, pages freed beside a live block go back when th
       vmm::options o = conf::small_options();
       vmm::tuning t;
       t.thread_cache_large = false;  // the freed block goes to the heap, not to this thread
+      t.max_handle = 0;              // without a limit, one handle a growth
       t.limit_chunk = lc;
       if (h == how::option) o.memory_limit = 64 * MiB;
       auto [hb, a] = vmm::test::make_host_alloc(o, t);

@@ -24,9 +24,10 @@ struct tuning {
   std::size_t huge_threshold = std::size_t{128} << 20;
   // New memory comes as handles of at most this size (0 = one handle a growth), spans and huge
   // blocks alike: a block freed beside a live one gives back the handles it covers whole. One
-  // handle a growth held a mostly free 200 MiB handle for a 1 MiB block (GPT-2 replay: peak
-  // mapped 1.08 x the pages touched); 32 MiB: 1.01, with fewer driver calls (fewer large moves).
-  std::size_t max_handle = std::size_t{32} << 20;
+  // handle a growth held a mostly free 200 MiB handle for a 1 MiB block. GPT-2 on an H200: held /
+  // allocated 1.092 with one handle, 1.038 with 32 MiB, 1.011 with 16 MiB (as many driver calls
+  // as 32 MiB); 8 MiB: 8-16x the calls on its replay.
+  std::size_t max_handle = std::size_t{16} << 20;
   // A huge block is placed with this fraction of its size (and one granularity page) of unmapped
   // VA after it, from the top of the reservation down, so that a freed block a little smaller
   // than the next request grows in place by the pages it lacks (one create or stitch, one map)

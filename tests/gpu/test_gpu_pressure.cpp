@@ -250,6 +250,7 @@ TEST_CASE("gpu pressure: free_memory_margin gives held free memory back before a
   o.free_memory_margin = f0 - 3 * GiB;  // pressed once free memory falls near f0 - 3 GiB
   vmm::tuning t;
   t.thread_cache_large = false;  // every freed block goes back to the heap at once
+  t.huge_headroom_div = 0;       // the huge block between spans A and B, which stay apart
   {
     vmm::allocator a = gpu::tuned(o, t);
     std::vector<void*> v;

@@ -60,8 +60,9 @@ kernels that stay nondeterministic (--nondeterministic turns the settings off, -
 PyTorch's fused attention).
 
 Output: a markdown table on stdout, and real_models.md + real_models.json in --out (default
-$VMM_OUT when set, else ./real-models-out). --trace DIR: the vmmalloc run of each model in --trace-model (a comma list, default llama) records
-its allocation trace (VMMALLOC_TRACE, trace format v2) into DIR/<model>-vmmalloc.trace.gz, and when
+$VMM_OUT when set, else ./real-models-out). --trace DIR: the vmmalloc run of each model in
+--trace-model (a comma list, default llama) records its allocation trace (VMMALLOC_TRACE, trace
+format v2) into DIR/<model>-vmmalloc.trace.gz, and when
 vmm-replay is found (--replay-bin, else build*/tools/replay/) the trace is replayed on the GPU
 through vmmalloc and cudaMallocAsync so the replay's peaks can be set beside the real process's.
 
@@ -1514,7 +1515,7 @@ def parse(argv=None):
     p.add_argument("--env", action="append", default=[], metavar="KEY=VAL",
                    help="environment of the vmmalloc runs (repeatable), e.g. VMMALLOC_RELEASE_THRESHOLD=0")
     p.add_argument("--out", default=os.environ.get("VMM_OUT") or "real-models-out")
-    p.add_argument("--trace", metavar="DIR", help="record one model's run under vmmalloc into DIR and replay it")
+    p.add_argument("--trace", metavar="DIR", help="record the --trace-model runs under vmmalloc into DIR and replay them")
     p.add_argument("--trace-model", default="llama",
                    help="comma list of the models whose vmmalloc runs --trace records (default llama)")
     p.add_argument("--replay-bin", help="vmm-replay for --trace (default: the newest build*/tools/replay/vmm-replay)")
@@ -1556,7 +1557,7 @@ def parse(argv=None):
     try:
         a.models = pick(a.models, tuple(MODELS), "models")
         a.allocators = pick(a.allocators, ALLOCATORS, "allocators")
-        a.trace_models = pick(a.trace_model, tuple(MODELS), "trace models")
+        a.trace_models = pick(a.trace_model, tuple(MODELS), "trace-model")
         a.vmm_env = parse_env(a.env)
     except ValueError as e:
         p.error(str(e))

@@ -76,9 +76,7 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
       if (m.a.page_of(b->addr) != pg) return "block chained under the wrong page";
       if (b->flags & impl::f_huge) {
         ++huge_seen;
-        bool extending = false;
-        for (auto& [end, e] : m.extending) extending |= e == b;
-        if (extending) {  // reserved by a planned growth: out of the cache, its chunks held
+        if (auto it = m.extending.find(b->addr + b->size); it != m.extending.end() && it->second == b) {  // reserved by a planned growth: out of the cache, its chunks held
           if (!(b->flags & impl::f_free)) return "a huge block being extended is not free";
           if (!add_used(b->addr, b->size)) return "huge block over unmapped memory";
           continue;

@@ -174,6 +174,9 @@ struct heap::impl {
   // end): out of the huge cache and their chunks counted used, so no other thread takes or
   // evicts them while the job runs; adopt() or growth_refused() puts them back.
   std::map<std::uintptr_t, block*> extending;
+  // The block a growth mapping at `end` extends, out of `extending`, its chunks no longer held
+  // (nullptr when that growth extends none).
+  block* take_extending(std::uintptr_t end);
   bool private_pool = false;  // a graph pool's: every mapped byte stays (see heap::set_private)
   std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;

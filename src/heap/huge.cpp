@@ -141,11 +141,11 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   // Otherwise a retired handle larger than the request may be mapped whole (`got`): its memory is
   // held until its old range goes anyway; what is left beyond the request joins the spans.
   const std::size_t piece = huge_piece();
+  const std::size_t d = whole_chunks() ? 0 : a.tune().huge_headroom_div;
+  const std::size_t headroom = d ? size / d + G : 0;  // room to grow in place later
   std::size_t got = size;
   auto plan = [&] {
-    const std::size_t d = whole_chunks() ? 0 : a.tune().huge_headroom_div;
-    return a.map_range(size, 0, kOwnerHuge, x, whole_chunks() ? nullptr : &got, hid, piece, pressed,
-                       d ? size / d + G : 0);
+    return a.map_range(size, 0, kOwnerHuge, x, whole_chunks() ? nullptr : &got, hid, piece, pressed, headroom);
   };
   auto r = plan();
   if (!r.ok() && r.st.kind == errc::out_of_memory && a.free_chunk_bytes(hid)) {
@@ -180,39 +180,38 @@ void heap::impl::free_huge(block* b, stream_t s) {
   }
 }
 
+heap::impl::block* heap::impl::take_extending(std::uintptr_t end) {
+  auto it = extending.find(end);
+  if (it == extending.end()) return nullptr;
+  block* b = it->second;
+  extending.erase(it);
+  account(b->addr, b->size, false);
+  return b;
+}
+
 void heap::adopt(const arena::job& j) {
   auto& m = *p_;
   ++m.st.grows;
-  if (auto it = m.extending.find(j.va); j.owner == heap_detail::kOwnerHuge && it != m.extending.end()) {
-    // A cached block grown in place: back in the cache, larger, for the request asked again. A
-    // piece its stream's queued work may still write makes the whole block that stream's.
-    impl::block* b = it->second;
-    m.extending.erase(it);
-    m.account(b->addr, b->size, false);
-    b->size += j.size;
-    if (j.in_flight) {
-      b->flags |= impl::f_tagged;
-      b->stream = j.stream;
-      b->free_seq = ++m.seq;
-    }
-    m.huge_cache.emplace(b->size, b);
-    m.fresh_huge = b;
-    return;
-  }
   if (j.owner == heap_detail::kOwnerHuge) {
-    // A dedicated chunk, fresh: in the huge cache the retried request finds it. Untagged, unless a
-    // piece may still be written by the stream's queued work (job::in_flight): then it is that
-    // stream's, as if freed on it now, and another stream takes it only behind a fence.
-    impl::block* b = m.new_block();
-    b->addr = j.va;
-    b->size = j.size;
-    b->flags = impl::f_huge | impl::f_free;
+    // A cached block grown in place, or a dedicated chunk, fresh: in the huge cache the retried
+    // request finds it. Untagged (or as freed, when grown), unless a piece may still be written by
+    // the stream's queued work (job::in_flight): then the whole block is that stream's, as if
+    // freed on it now, and another stream takes it only behind a fence.
+    impl::block* b = m.take_extending(j.va);
+    if (b) {
+      b->size += j.size;
+    } else {
+      b = m.new_block();
+      b->addr = j.va;
+      b->size = j.size;
+      b->flags = impl::f_huge | impl::f_free;
+      m.link_page(b);
+    }
     if (j.in_flight) {
       b->flags |= impl::f_tagged;
       b->stream = j.stream;
       b->free_seq = ++m.seq;
     }
-    m.link_page(b);
     m.huge_cache.emplace(b->size, b);
     m.fresh_huge = b;
     return;
@@ -224,12 +223,7 @@ void heap::adopt(const arena::job& j) {
 void heap::growth_refused(const arena::job& j) {
   auto& m = *p_;
   m.next_growth = m.G;
-  if (auto it = m.extending.find(j.va); it != m.extending.end()) {  // the block stays as it was
-    impl::block* b = it->second;
-    m.extending.erase(it);
-    m.account(b->addr, b->size, false);
-    m.huge_cache.emplace(b->size, b);
-  }
+  if (impl::block* b = m.take_extending(j.va)) m.huge_cache.emplace(b->size, b);  // as it was
 }
 
 status heap::export_chunks(std::uintptr_t p, std::vector<std::uint32_t>& ids, std::size_t& bytes,

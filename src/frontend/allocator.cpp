@@ -597,6 +597,9 @@ std::size_t allocator::usable_size(const void* p) const {
 
 void allocator::trim(std::size_t keep) {
   impl& m = *p_;
+  // Before the trim gives anything back: a replay trims where the program did, between the same
+  // allocations and frees.
+  if (m.trace) [[unlikely]] m.trace->event('t', 0, keep, nullptr);
   status st;
   tcache* mine = m.tc_enabled ? &m.my_cache() : nullptr;  // may lock mu itself: first
   {

@@ -17,6 +17,7 @@ namespace vmm {
 
 // Trace recording (options.trace_path): "# vmmalloc-trace v2" then one line per event,
 //   OP ADDR SIZE STREAM THREAD TIME
+// (OP a, f, or t for trim(KEEP): "t 0 KEEP 0 THREAD TIME")
 // through a 1 MiB buffer. One mutex per event keeps the lines in the order the calls happened,
 // which the replay needs (a free after its allocation), and TIME (ns since open, steady clock) is
 // read under it, so it never decreases from one line to the next. Streams and threads become

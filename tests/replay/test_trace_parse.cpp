@@ -298,3 +298,17 @@ TEST_CASE("file errors: malformed line in a .gz, truncated .gz") {
   CHECK_THROWS_AS((void)parse_file(cut.path.string()), parse_error);
 }
 #endif  // VMM_REPLAY_ZLIB
+
+TEST_CASE("trim events: counted, KEEP in their size, no block named, live bytes unchanged") {
+  trace t = parse_text("# vmmalloc-trace v2\na 10 100 0 1 0\nt 0 0 0 1 1\nf 10 100 0 1 2\nt 0 4096 0 2 3\n");
+  REQUIRE(t.events.size() == 4);
+  CHECK(t.trims == 2);
+  CHECK(t.allocs == 1);
+  CHECK(t.frees == 1);
+  CHECK(t.events[1].kind == op::trim);
+  CHECK(t.events[3].size == 4096);
+  CHECK(t.live_after == std::vector<std::uint64_t>{100, 100, 0, 0});
+  CHECK(parse_text("t 0 0 0\n").trims == 1);  // v1 too
+  CHECK(error_of("t 10 0 0\n") == "t.txt:1: a trim ('t') names no block: its ADDR is 0");
+  CHECK(error_of("x 10 0 0\n") == "t.txt:1: unknown event 'x' (expected 'a', 'f' or 't')");
+}

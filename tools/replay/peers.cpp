@@ -212,11 +212,13 @@ class vmmalloc_peer final : public peer {
   bool is_device() const override { return device_; }
   bool stream_ordered() const override { return true; }
   vmm::host_backend* host_backend() noexcept override { return hb_; }
-  void release_cached() noexcept override {
+  bool release_cached(std::size_t keep) noexcept override {
     try {
-      a_.trim(0);
+      a_.trim(keep);
+      return true;
     } catch (const std::exception& e) {
       set_error(e.what());
+      return false;
     }
   }
 
@@ -343,7 +345,10 @@ class malloc_peer final : public peer {
     }
     return r;
   }
-  void release_cached() noexcept override { malloc_trim(0); }
+  bool release_cached(std::size_t) noexcept override {
+    malloc_trim(0);
+    return true;
+  }
 
  private:
   std::uint64_t peak_ = 0, base_ = 0;
@@ -450,7 +455,7 @@ class cuda_malloc_async_peer final : public peer {
     reset_peaks();
   }
   ~cuda_malloc_async_peer() override {
-    release_cached();
+    (void)release_cached(0);
     (void)VMM_CUDA_OK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &old_threshold_));
   }
   std::string name() const override { return "cudaMallocAsync"; }
@@ -501,8 +506,8 @@ class cuda_malloc_async_peer final : public peer {
   bool fill(void* p, int b, std::size_t n) noexcept override { return VMM_CUDA_OK(cudaMemset(p, b, n)); }
   bool is_device() const override { return true; }
   bool stream_ordered() const override { return true; }
-  void release_cached() noexcept override {
-    if (VMM_CUDA_OK(cudaDeviceSynchronize())) (void)VMM_CUDA_OK(cudaMemPoolTrimTo(pool_, 0));
+  bool release_cached(std::size_t keep) noexcept override {
+    return VMM_CUDA_OK(cudaDeviceSynchronize()) && VMM_CUDA_OK(cudaMemPoolTrimTo(pool_, keep));
   }
 
  private:

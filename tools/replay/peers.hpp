@@ -83,8 +83,12 @@ class peer {
   virtual bool stream_ordered() const { return false; }
   // vmmalloc over the host backend: the backend, for its test controls (--lag holds streams).
   virtual vmm::host_backend* host_backend() noexcept { return nullptr; }
-  // Gives cached free memory back (trim, pool trim) so the next workload starts cold.
-  virtual void release_cached() noexcept {}
+  // Gives cached free memory back down to `keep` bytes (trim, pool trim): a trace's trim events,
+  // and so the next workload starts cold. false on failure, error() says why.
+  virtual bool release_cached(std::size_t keep = 0) noexcept {
+    (void)keep;
+    return true;
+  }
 
  protected:
   static void set_error(std::string s) noexcept;

@@ -86,10 +86,13 @@ class torch_peer final : public peer {
   }
   bool is_device() const override { return true; }
   bool stream_ordered() const override { return true; }  // raw_delete records events, never syncs
-  void release_cached() noexcept override {
+  bool release_cached(std::size_t) noexcept override {  // empty_cache has no `keep`
     try {
       cca::emptyCache();
-    } catch (...) {
+      return true;
+    } catch (const std::exception& e) {
+      set_error(e.what());
+      return false;
     }
   }
 

@@ -180,7 +180,7 @@ pass_result sample_pass(peer& a, const trace& t, const std::vector<void*>& strea
     const event& e = t.events[i];  // a free leaves its address in ptr[e.id]
     const auto at = reinterpret_cast<std::uintptr_t>(ptr[e.id]);
     if (e.kind == op::alloc) touched.add(at, e.size);
-    else touched.remove(at, e.size);
+    else if (e.kind == op::free) touched.remove(at, e.size);
     memory_now m = a.current();
     if (m.requested && *m.requested != t.live_after[i])
       return "stats().requested = " + std::to_string(*m.requested) + " after event " + std::to_string(i) + " (" +
@@ -456,9 +456,9 @@ int main(int argc, char** argv) {
   const schedule sched = make_schedule(t, c.threads == "recorded");
 
   std::printf("trace: %s (v%d)\n", t.source.c_str(), t.version);
-  std::printf("  %zu events (%" PRIu64 " allocations, %" PRIu64 " frees), %zu blocks live at the end, "
-              "at most %" PRIu32 " live at once, %zu stream(s)\n",
-              t.events.size(), t.allocs, t.frees, t.live_at_end.size(), t.slots, t.stream_ids.size());
+  std::printf("  %zu events (%" PRIu64 " allocations, %" PRIu64 " frees, %" PRIu64 " trims), %zu blocks live at "
+              "the end, at most %" PRIu32 " live at once, %zu stream(s)\n",
+              t.events.size(), t.allocs, t.frees, t.trims, t.live_at_end.size(), t.slots, t.stream_ids.size());
   std::printf("  peak live %s after event %zu (line %" PRIu32 "); sizes %" PRIu64 " B .. %s; parsed in %.2f s\n",
               mib(double(t.peak_live_bytes)).c_str(), t.peak_live_event, t.lines[t.peak_live_event], t.min_size,
               mib(double(t.max_size)).c_str(), parse_s);
@@ -610,7 +610,7 @@ int main(int argc, char** argv) {
                    name.c_str(), w.lag_timeouts);
     rows.push_back(std::move(w));
     lag.reset();
-    a->release_cached();  // the next allocator starts with the memory given back
+    (void)a->release_cached();  // the next allocator starts with the memory given back
 
     if (c.samples || c.bound) {
       // A fresh instance, so the sampled pass starts as the timed one did (cold, or after the
@@ -674,7 +674,7 @@ int main(int argc, char** argv) {
       }
       rows.back().sample_seconds = sr.seconds;
       blag.reset();
-      b->release_cached();
+      (void)b->release_cached();
     }
   }
   destroy_cuda_streams(cuda_streams);

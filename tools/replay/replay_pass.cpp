@@ -29,7 +29,7 @@ std::string event_text(const trace& t, std::size_t i) {
   const event& e = t.events[i];
   char buf[200];
   int k = std::snprintf(buf, sizeof buf, "line %" PRIu32 ": %c %" PRIx64 " %" PRIu64 " %" PRIu64, t.lines[i],
-                        e.kind == op::alloc ? 'a' : 'f', t.names[i], e.size, t.stream_ids[e.stream]);
+                        "aft"[static_cast<int>(e.kind)], t.names[i], e.size, t.stream_ids[e.stream]);
   if (!t.time_ns.empty() && k > 0 && std::size_t(k) < sizeof buf)
     std::snprintf(buf + k, sizeof buf - std::size_t(k), " %" PRIu64 " %" PRIu64, t.thread_ids[t.thread[i]],
                   t.time_ns[i]);
@@ -52,6 +52,12 @@ class host_lag final : public gpu_lag {
     for (void* s : streams_) hb_.complete_stream(s);  // also releases the hold
     due_all_ = kNever;
     return true;
+  }
+  void catch_up(std::size_t) override {
+    for (void* s : streams_) hb_.complete_stream(s);  // also releases the hold
+  }
+  void resume() override {
+    for (void* s : streams_) hb_.hold_stream(s);
   }
   std::string describe() const override {
     return "host backend: streams held, completed every " + std::to_string(n_) + " events (a fence waits 1.." +
@@ -109,6 +115,7 @@ class cuda_lag final : public gpu_lag {
   ~cuda_lag() override { release(); }
 
   bool begin(std::string& why) override {
+    floor_ = 0;
     store(0);
     std::fill(due_.begin(), due_.end(), 0);  // the first event on each stream enqueues a gate
     due_all_ = store_every_;
@@ -121,6 +128,12 @@ class cuda_lag final : public gpu_lag {
     std::fill(due_.begin(), due_.end(), kNever);
     if (!failure_.empty()) why = failure_;
     return failure_.empty();
+  }
+  // Opens every gate launched up to event i (their thresholds are at most i + n); the counter
+  // never goes below that again, so none of them closes.
+  void catch_up(std::size_t i) override {
+    floor_ = i + n_;
+    store(floor_);
   }
   std::string describe() const override {
     return "CUDA: gate kernel per stream every " + std::to_string(g_) + " events, open at event + " +
@@ -149,7 +162,7 @@ class cuda_lag final : public gpu_lag {
 
  private:
   static constexpr unsigned long long kTimeoutNs = 2'000'000'000ull;
-  void store(std::uint64_t v) { __atomic_store_n(counter_, v, __ATOMIC_RELEASE); }
+  void store(std::uint64_t v) { __atomic_store_n(counter_, std::max<std::uint64_t>(v, floor_), __ATOMIC_RELEASE); }
   void release() noexcept {
     if (counter_) cudaFreeHost(counter_);
     if (timeouts_) cudaFree(timeouts_);
@@ -158,6 +171,7 @@ class cuda_lag final : public gpu_lag {
   }
   std::vector<void*> streams_;
   std::uint64_t n_, g_, store_every_;
+  std::uint64_t floor_ = 0;                      // the counter's least value since the last catch_up
   std::uint64_t* counter_ = nullptr;             // host view of the event counter
   unsigned long long* dev_counter_ = nullptr;    // the device's view of the same memory
   unsigned long long* timeouts_ = nullptr;       // device memory: gates that timed out
@@ -352,6 +366,8 @@ class pass {
       if (!p) [[unlikely]]
         return failed_event(i);
       h.slot[e.id] = p;
+    } else if (e.kind == op::trim) [[unlikely]] {
+      if (!trim(h, i)) return false;
     } else if (!h.a->deallocate(h.slot[e.id], e.size, h.str[e.stream])) [[unlikely]] {
       return failed_event(i);
     }
@@ -362,6 +378,15 @@ class pass {
       if (!why.empty()) return failed(4, std::move(why));
     }
     return true;
+  }
+  // The program emptied the cache: as PyTorch's empty_cache, after the GPU caught up (its work
+  // queued so far completes; the lag holds what comes after).
+  [[gnu::cold, gnu::noinline]] bool trim(const hot h, std::size_t i) {
+    if (h.lag) h.lag->catch_up(i);
+    const bool ok = h.a->release_cached(h.ev[i].size);
+    if (h.lag) h.lag->resume();
+    if (ok) return true;
+    return failed(3, "trim failed at event " + std::to_string(i) + " (" + event_text(t_, i) + "): " + peer::error());
   }
   [[gnu::cold, gnu::noinline]] bool failed_event(std::size_t i) {
     if (t_.events[i].kind == op::alloc)

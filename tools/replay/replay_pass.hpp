@@ -50,6 +50,10 @@ class gpu_lag {
   virtual bool end(std::string& why) = 0;
   virtual std::string describe() const = 0;
   virtual std::uint64_t timeouts() const { return 0; }  // CUDA gates that opened by their timeout
+  // At event i: the work queued on every stream so far completes, and what the allocator queues
+  // until resume() runs at once (a trim waits for both).
+  virtual void catch_up(std::size_t i) = 0;
+  virtual void resume() {}
 
   // Every event, in order, with the turn held; two compares unless something is due.
   void before_event(std::size_t i, std::uint16_t stream) {

@@ -122,8 +122,8 @@ void parser::feed(std::string_view line, std::size_t lineno) {
     else P.fail(lineno, "unsupported trace version '" + std::string(f[2].substr(0, 16)) + "' (this parser reads v1 and v2)");
     return;
   }
-  if (f[0] != "a" && f[0] != "f")
-    P.fail(lineno, "unknown event '" + std::string(f[0].substr(0, 32)) + "' (expected 'a' or 'f')");
+  if (f[0] != "a" && f[0] != "f" && f[0] != "t")
+    P.fail(lineno, "unknown event '" + std::string(f[0].substr(0, 32)) + "' (expected 'a', 'f' or 't')");
   const bool v2 = P.t.version == 2;
   const int want = v2 ? 6 : 4;
   if (n != want) {
@@ -149,6 +149,7 @@ void parser::feed(std::string_view line, std::size_t lineno) {
                          std::to_string(P.t.time_ns.back()) + " at line " + std::to_string(P.last_time_line) +
                          "): lines must be in the order the events happened");
   }
+  if (f[0][0] == 't' && addr != 0) P.fail(lineno, "a trim ('t') names no block: its ADDR is 0");
   if (lineno > UINT32_MAX) P.fail(lineno, "trace too long (more than 2^32 lines)");
 
   const std::uint16_t si = P.dense(P.streams, P.t.stream_ids, stream, lineno, "streams");
@@ -157,7 +158,11 @@ void parser::feed(std::string_view line, std::size_t lineno) {
   event e{};
   e.size = size;
   e.stream = si;
-  if (f[0][0] == 'a') {
+  if (f[0][0] == 't') {
+    e.id = 0;
+    e.kind = op::trim;
+    ++P.t.trims;
+  } else if (f[0][0] == 'a') {
     auto [it, fresh] = P.live.try_emplace(addr);
     if (!fresh)
       P.fail(lineno, "allocation of " + hex(addr) + ", which is still live (allocated at line " +

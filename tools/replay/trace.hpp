@@ -5,9 +5,12 @@
 //   v1 (no header)                  v2 (first line "# vmmalloc-trace v2")
 //     a ADDR SIZE STREAM              a ADDR SIZE STREAM THREAD TIME
 //     f ADDR SIZE STREAM              f ADDR SIZE STREAM THREAD TIME
+//     t 0 KEEP STREAM                 t 0 KEEP STREAM THREAD TIME
 //
 // a = allocate SIZE bytes, named ADDR (hex, optional 0x); f = free ADDR (SIZE repeats the
-// allocation's size). v2 adds the recording thread (THREAD) and the CPU time of the call (TIME,
+// allocation's size); t = the program gave the allocator's free memory back down to KEEP bytes
+// (trim(KEEP); PyTorch's empty_cache is KEEP 0, and cuDNN's benchmark mode calls it after every
+// search). v2 adds the recording thread (THREAD) and the CPU time of the call (TIME,
 // ns since the trace started, never decreasing from one line to the next): the order of the lines
 // is the order the events happened in, across threads.
 //
@@ -32,12 +35,12 @@
 
 namespace vmm::replay {
 
-enum class op : std::uint8_t { alloc = 0, free = 1 };
+enum class op : std::uint8_t { alloc = 0, free = 1, trim = 2 };
 
 // 16 bytes: the replay loop streams through 1.3 M of these.
 struct event {
-  std::uint64_t size;    // bytes requested (a free repeats its allocation's size)
-  std::uint32_t id;      // dense slot id of the block
+  std::uint64_t size;    // bytes requested (a free repeats its allocation's size; a trim: KEEP)
+  std::uint32_t id;      // dense slot id of the block (0 for a trim)
   std::uint16_t stream;  // dense stream index (see trace::stream_ids)
   op kind;
 };
@@ -65,7 +68,7 @@ struct trace {
   std::vector<live_block> live_at_end;    // blocks never freed, in allocation order
 
   std::uint32_t slots = 0;                // ids are < slots (= most blocks live at once)
-  std::uint64_t allocs = 0, frees = 0;
+  std::uint64_t allocs = 0, frees = 0, trims = 0;
   std::uint64_t peak_live_bytes = 0;      // most requested bytes live at once
   std::size_t peak_live_event = 0;        // index of the event after which that peak is first reached
   std::uint64_t total_alloc_bytes = 0, min_size = 0, max_size = 0;

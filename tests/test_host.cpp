@@ -537,6 +537,42 @@ TEST_CASE("a huge request up to 2x smaller splits a cached block, not remaps it"
   }
 }
 
+TEST_CASE("spans: a chunk given back from a span's middle is mapped again to join the free blocks either side") {
+  // Fourteen 1 MiB blocks in one span of chunks c0 (2 MiB: blocks 0-1), c1 (2-5), c2 (6-9) and
+  // c3 (10-13), 4 MiB each after the first. Blocks 4-11 freed: c2 wholly free, the free run
+  // starting in c1 and ending in c3. trim gives c2 back and cuts the span in two: a 2 MiB free
+  // tail on the left, a 2 MiB free head on the right. An 8 MiB request fits across the cut:
+  // mapping the 4 MiB hole joins the spans. Without the join it takes 8 MiB at the far end.
+  vmm::tuning t;
+  t.max_growth = 4 * MiB;
+  auto o = conf::small_options();
+  o.thread_cache = false;  // every free reaches the heap at once
+  auto [hb, a] = vmm::test::make_host_alloc(o, t);
+  std::vector<void*> v;
+  for (int i = 0; i < 14; ++i) v.push_back(a.allocate(MiB));
+  for (int i = 1; i < 14; ++i)
+    REQUIRE(static_cast<char*>(v[i]) == static_cast<char*>(v[0]) + i * MiB);  // one span, in order
+  REQUIRE(a.stats().mapped == 14 * MiB);
+  for (int i = 4; i <= 11; ++i) a.deallocate(v[i]);
+  a.trim(0);  // gives back the one wholly free chunk, c2
+  REQUIRE(a.stats().mapped == 10 * MiB);
+  REQUIRE(a.check() == "");
+  const auto before = a.stats();
+  void* p = a.allocate(8 * MiB);
+  REQUIRE(p != nullptr);
+  CHECK(p == v[4]);  // across the cut, where block 4 was
+  CHECK(a.stats().physical == before.physical + 4 * MiB);
+  CHECK(a.stats().mapped == 14 * MiB);
+  host_traits::fill(p, 8 * MiB, 9);
+  CHECK(host_traits::verify(p, 8 * MiB, 9));
+  CHECK(a.check() == "");
+  a.deallocate(p);
+  for (int i : {0, 1, 2, 3, 12, 13}) a.deallocate(v[i]);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(hb->live_mappings() == 0);
+}
+
 TEST_CASE("huge blocks in handles: a split huge block's wholly free handles serve the next huge request") {
   // One handle per huge block: a small block left in its memory keeps the whole handle mapped,
   // and a larger huge request creates all of its memory again. Handles of huge/8: only the one

@@ -119,6 +119,13 @@ bool arena::hole_at(std::uintptr_t at, std::size_t size) const {
   return at >= it->first && at + size <= it->first + it->second;
 }
 
+std::size_t arena::hole_from(std::uintptr_t at) const {
+  auto it = holes_.upper_bound(at);
+  if (it == holes_.begin()) return 0;
+  --it;
+  return at >= it->first && at < it->first + it->second ? it->first + it->second - at : 0;
+}
+
 void arena::take_hole(std::uintptr_t va, std::size_t size) {
   auto it = std::prev(holes_.upper_bound(va));
   auto [hs, hn] = *it;

@@ -192,6 +192,8 @@ class arena {
 
   // Whether [at, at+size) is an unmapped hole right now.
   bool hole_at(std::uintptr_t at, std::size_t size) const;
+  // Bytes of unmapped hole from `at` to the hole's end (0 when `at` is mapped).
+  std::size_t hole_from(std::uintptr_t at) const;
 
   // Heap bookkeeping: bytes of live blocks per chunk; a chunk at 0 joins the free-chunk LRU.
   void add_used(std::uint32_t id, std::size_t n);

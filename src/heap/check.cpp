@@ -40,6 +40,7 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
   };
   for (auto& [end, s] : m.span_ends) {
     if (s->addr != end || !(s->flags & impl::f_sentinel)) return "span sentinel is off";
+    if (m.span_head_at(end)) return "a span starts where another ends (not joined)";
     std::uintptr_t expect = end;
     for (block* b = s->prev_phys; b; b = b->prev_phys) {
       if (b->addr + b->size != expect) return "blocks of a span do not tile it";

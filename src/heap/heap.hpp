@@ -21,6 +21,7 @@
 //
 // Invariants (check()):
 //   blocks of a span tile it:  b.addr + b.size == b.next_phys.addr
+//   no span starts where another ends (they are one span)
 //   no two adjacent free blocks with compatible stream tags (coalesced)
 //   every free block is in the free list of its class, every listed block is free
 //   chunk.used == sum of live block bytes overlapping the chunk

@@ -272,6 +272,21 @@ struct heap::impl {
   // Adds mapped [va, va+size) to the spans: extends the span ending at va, or starts a new one.
   // freed_seq != 0: the range is memory freed on x at that sequence (tagged, not fresh).
   void add_span_range(std::uintptr_t va, std::size_t size, stream_t x, std::uint64_t freed_seq = 0);
+  // A span that starts where the span ending at `sentinel` ends joins it, free blocks either side
+  // coalescing (a chunk given back from a span's middle cut it in two; mapping that VA again
+  // makes it one). x: the stream the new memory is for.
+  void join_next_span(block* sentinel, stream_t x);
+  // A span's first block starting at p (nullptr when none).
+  block* span_head_at(std::uintptr_t p) const;
+  // Whether free blocks l and r, l on the left, become one block where they meet: both fresh,
+  // the same stream's, or l fresh taking r's tag where x may use r.
+  bool joinable(const block* l, block* r, stream_t x);
+  // Fresh memory b (never handed out) takes `from`'s stream tag, so the two can serve one request.
+  static void take_tag(block* b, const block* from) {
+    b->flags = from->flags & (f_free | f_tagged);
+    b->stream = from->stream;
+    b->free_seq = from->free_seq;
+  }
 
   // Plans a growth for a request of `need` bytes on x (sets `planned`); ok and nothing planned
   // under grow_mode::never.

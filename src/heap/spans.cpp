@@ -52,6 +52,7 @@ void heap::impl::free_large(block* b, stream_t s) {
 
 void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x, std::uint64_t freed_seq) {
   block* nb = new_block();
+  block* sentinel = nullptr;
   nb->addr = va;
   nb->size = size;
   nb->flags = f_free;
@@ -71,16 +72,14 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
     span_ends.erase(it);
     s->addr = va + size;
     span_ends[s->addr] = s;
+    sentinel = s;
     link_page(nb);
     if (freed_seq && (tail->flags & f_free) && !(tail->flags & f_sentinel) && compatible(tail, nb)) {
       remove_free(tail);
       absorb(tail, nb);
       nb = tail;
     } else if (!freed_seq && (tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
-      // Fresh memory takes the tail's stream tag so the two can serve one request.
-      nb->flags = tail->flags & (f_free | f_tagged);
-      nb->stream = tail->stream;
-      nb->free_seq = tail->free_seq;
+      take_tag(nb, tail);
       remove_free(tail);
       absorb(tail, nb);
       nb = tail;
@@ -92,9 +91,45 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
     nb->next_phys = s;
     s->prev_phys = nb;
     span_ends[s->addr] = s;
+    sentinel = s;
     link_page(nb);
   }
   insert_free(nb);
+  join_next_span(sentinel, x);
+}
+
+heap::impl::block* heap::impl::span_head_at(std::uintptr_t p) const {
+  if (!a.contains(p)) return nullptr;
+  block* h = block_at(p);
+  return h && !(h->flags & (f_huge | f_sentinel)) && !h->prev_phys ? h : nullptr;
+}
+
+void heap::impl::join_next_span(block* sentinel, stream_t x) {
+  block* h = span_head_at(sentinel->addr);
+  if (!h) return;
+  block* t = sentinel->prev_phys;
+  span_ends.erase(sentinel->addr);
+  t->next_phys = h;
+  h->prev_phys = t;
+  delete_block(sentinel);
+  if (!(t->flags & f_free) || !(h->flags & f_free) || !joinable(t, h, x)) return;
+  auto merge = [&](block* l, block* r) {
+    remove_free(l);
+    remove_free(r);
+    absorb(l, r);
+    insert_free(l);
+    return l;
+  };
+  if (!(t->flags & f_tagged) && (h->flags & f_tagged)) {
+    take_tag(t, h);  // tagged so, it may now also coalesce with its own left neighbour
+    if (block* l = t->prev_phys; l && compatible(l, t)) t = merge(l, t);
+  }
+  merge(t, h);
+}
+
+bool heap::impl::joinable(const block* l, block* r, stream_t x) {
+  if (!(l->flags & f_tagged)) return !(r->flags & f_tagged) || usable(r, x);
+  return (r->flags & f_tagged) && l->stream == r->stream;
 }
 
 status heap::impl::grow(std::size_t need, stream_t x) {
@@ -115,12 +150,33 @@ status heap::impl::grow(std::size_t need, stream_t x) {
       found = true, at = end, best_tail = tail, ext = e;
     }
   }
+  // Less new memory still: a hole shorter than that between a span's free tail and the next
+  // span's free head (a chunk given back from a span's middle) that the request fits across;
+  // mapping the hole joins the spans (add_span_range). Without it such cuts accumulate and every
+  // larger request maps its whole size elsewhere: 1.025 against 1.011 peak mapped / live on the
+  // shared trace.
+  std::uintptr_t join_at = 0;
+  std::size_t join_ext = ext;
+  for (auto& [end, s] : span_ends) {
+    const std::size_t hole = a.hole_from(end);
+    if (!hole || hole >= join_ext) continue;
+    block* h = span_head_at(end + hole);
+    if (!h || !(h->flags & f_free) || !usable(h, x)) continue;
+    // What one free block the mapping leaves: a free tail this stream may use takes the hole in
+    // (add_span_range, with the tail's tag), and the head joins them where joinable
+    // (join_next_span); without such a tail the fresh hole takes the head's tag.
+    block* t = s->prev_phys;
+    std::size_t joined = hole + h->size;
+    if ((t->flags & f_free) && usable(t, x)) joined = t->size + hole + (joinable(t, h, x) ? h->size : 0);
+    if (joined >= need) join_at = end, join_ext = hole;
+  }
   // Repeated growth is geometric (driver cost is per call), capped by tuning::max_growth; after a
   // growth the driver refused, exactly what is needed.
   std::size_t geo = std::min(next_growth, std::max(a.tune().max_growth, G));
   if (mode == grow_mode::last_resort) geo = 0;
   std::size_t want = ext;
-  if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
+  if (join_at) at = join_at, want = ext = join_ext;
+  else if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
   const std::size_t piece = span_piece();
   std::size_t got = 0;  // more than asked when a retired handle larger than the rest is mapped whole
   auto plan = [&](std::size_t n, std::uintptr_t where) { return a.map_range(n, where, kOwnerSpan, x, &got, hid, piece, pressed); };

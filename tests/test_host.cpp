@@ -641,6 +641,47 @@ TEST_CASE("a cached huge block a little smaller than the next request grows in p
   CHECK(a.check() == "");
 }
 
+TEST_CASE("after a trim, growths create handles of one page; later ones of max_handle again") {
+  // A 32 MiB request grows by its size in handles of max_handle (16 MiB): two creates. After a
+  // trim, the next trim_growths growths create one handle a page (16 for the same request), so
+  // the next trim can give back every wholly free page; after them, max_handle again.
+  vmm::tuning t;
+  t.thread_cache_large = false;
+  t.trim_growths = 3;
+  auto o = conf::small_options();
+  o.thread_cache = false;
+  auto [hb, a] = vmm::test::make_host_alloc(o, t);
+  const std::size_t n = 32 * MiB;
+  REQUIRE(n < t.huge_threshold);
+  auto creates_for = [&](std::size_t bytes) {
+    const auto c0 = a.stats().calls.create;
+    void* p = a.allocate(bytes);
+    REQUIRE(p != nullptr);
+    host_traits::fill(p, bytes, 5);
+    CHECK(host_traits::verify(p, bytes, 5));
+    return std::pair{p, a.stats().calls.create - c0};
+  };
+  auto [p0, c0] = creates_for(n);
+  CHECK(c0 == 2);
+  a.deallocate(p0);
+  a.trim(0);
+  REQUIRE(a.stats().physical == 0);
+  std::vector<void*> keep;
+  for (int g = 0; g < 3; ++g) {  // the three growths after the trim: pages
+    auto [p, c] = creates_for(n);
+    CHECK(c == n / (2 * MiB));
+    keep.push_back(p);
+  }
+  auto [p4, c4] = creates_for(n);  // the fourth: max_handle again
+  CHECK(c4 == 2);
+  keep.push_back(p4);
+  CHECK(a.check() == "");
+  for (void* p : keep) a.deallocate(p);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(hb->live_handles() == 0);
+}
+
 TEST_CASE("under a memory limit, pages freed beside a live block go back when the limit binds") {
   // One 24 MiB growth; a 22 MiB block and a 1 MiB block then share its memory, and the 22 MiB one
   // is freed. Under a 64 MiB limit a 48 MiB request fits only if the 16 MiB of wholly free pages

@@ -28,6 +28,13 @@ struct tuning {
   // allocated 1.092 with one handle, 1.038 with 32 MiB, 1.011 with 16 MiB (as many driver calls
   // as 32 MiB); 8 MiB: 8-16x the calls on its replay.
   std::size_t max_handle = std::size_t{16} << 20;
+  // After the program trims (PyTorch's empty_cache), this many growths create handles of one
+  // granularity page: the program asked for its free memory back, and a trim can only give back
+  // handles that are wholly free. cuDNN's benchmark mode empties the cache after every search: a
+  // CNN held 1.032 x its live peak with 16 MiB handles, 1.023-1.025 with pages, for one create
+  // and map a page regrown, as expandable segments pays. A process that trims once pays for 64
+  // growths, then its handles are max_handle again. 0: off.
+  std::uint64_t trim_growths = 64;
   // A huge block is placed with this fraction of its size (and one granularity page) of unmapped
   // VA after it, from the top of the reservation down, so that a freed block a little smaller
   // than the next request grows in place by the pages it lacks (one create or stitch, one map)

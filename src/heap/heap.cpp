@@ -214,6 +214,7 @@ status heap::trim(std::size_t keep) {
   auto& m = *p_;
   if (m.private_pool) return {};
   ++m.st.trims;
+  m.grows_at_trim = m.st.grows;
   m.poll_deferred();
   const status retried = m.a.retry_strays();  // a refusal stays parked (retried again later)
   m.destroy_empty_slabs();  // first: they pin chunks that are otherwise free

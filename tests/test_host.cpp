@@ -493,21 +493,28 @@ TEST_CASE("under a memory limit a freed huge block serves other sizes with no dr
   }
 }
 
-TEST_CASE("a huge request up to 2x smaller splits a cached block, not remaps it") {
-  for (bool split : {false, true}) {
+TEST_CASE("a huge request smaller than a cached block splits it, not remaps it") {
+  // 3/4 of the block: more than the cache's 1/8 slack; 1/3: less than half of it.
+  struct shape { bool split; int num, den; };
+  for (const shape c : {shape{false, 3, 4}, shape{true, 3, 4}, shape{false, 1, 3}, shape{true, 1, 3}}) {
+    const bool split = c.split;
+    const int num = c.num, den = c.den;
     CAPTURE(split);
+    CAPTURE(num);
+    CAPTURE(den);
     vmm::tuning t;
     t.split_cached_huge = split;
     t.thread_cache_large = false;
     auto [hb, a] = vmm::test::make_host_alloc(conf::small_options(), t);
     auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
-    const std::size_t huge = std::max<std::size_t>(t.huge_threshold, 64 * MiB) * 2;
+    const std::size_t huge = std::max<std::size_t>(t.huge_threshold, 64 * MiB) * 4;
+    const std::size_t part = huge / den * num;
+    REQUIRE(part >= t.huge_threshold);
     void* p = a.allocate(huge, 0, s1);
     a.deallocate(p, s1);  // cached whole
     const auto c0 = a.stats().calls.total();
-    // 3/4 of it: more than the cache's 1/8 slack, within 2x.
-    void* q = a.allocate(huge / 2 + huge / 4, 0, s1);
-    host_traits::fill(q, huge / 2 + huge / 4, 7);
+    void* q = a.allocate(part, 0, s1);
+    host_traits::fill(q, part, 7);
     const auto c1 = a.stats().calls.total();
     if (split) {
       CHECK(c1 == c0);  // carved from the cached block's memory
@@ -519,14 +526,14 @@ TEST_CASE("a huge request up to 2x smaller splits a cached block, not remaps it"
     } else {
       CHECK(c1 > c0);  // its own chunk: the cached one remapped or released and created again
     }
-    CHECK(host_traits::verify(q, huge / 2 + huge / 4, 7));
+    CHECK(host_traits::verify(q, part, 7));
     CHECK(a.check() == "");
     a.deallocate(q, s1);
     // A block freed on S1 while S1 runs behind is not S2's to split before S1's fence completes.
     void* h = a.allocate(huge, 0, s1);
     hb->hold_stream(s1);
     a.deallocate(h, s1);
-    void* other = a.allocate(huge / 2 + huge / 4, 0, s2);
+    void* other = a.allocate(part, 0, s2);
     auto u = reinterpret_cast<std::uintptr_t>(other), b = reinterpret_cast<std::uintptr_t>(h);
     CHECK_FALSE((u >= b && u < b + huge));
     hb->complete_stream(s1);

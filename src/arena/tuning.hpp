@@ -44,8 +44,8 @@ struct tuning {
   // While a memory limit is set: handles of at most this size, and freed huge blocks join the
   // spans, so pages freed beside live blocks can go back when the limit binds.
   std::size_t limit_chunk = std::size_t{8} << 20;
-  // A huge request nothing else serves splits the smallest cached huge block up to twice its size
-  // instead of remapping: no driver call (real processes: 2-7x fewer driver calls).
+  // A huge request nothing else serves splits the smallest larger cached huge block instead of
+  // remapping: no driver call, the same memory (real processes: 2-7x fewer driver calls).
   bool split_cached_huge = true;
   // Thread caches: slots per class and thread (a refill or flush moves half), and whether a
   // thread keeps the large block it freed last (off by itself under a release threshold or ipc).

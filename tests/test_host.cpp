@@ -689,6 +689,46 @@ TEST_CASE("after a trim, growths create handles of one page; later ones of max_h
   CHECK(hb->live_handles() == 0);
 }
 
+TEST_CASE("a growth maps idle handles that fill whole pieces; smaller ones are released, the range created whole") {
+  // Sixteen one-page handles (a growth after a trim) go idle when their block is freed and a
+  // larger request evicts them: the growth creates handles of max_handle (16 MiB) instead of
+  // mapping the pages, each of which would cost a mapping every time its memory moves again.
+  vmm::tuning t;
+  t.thread_cache_large = false;
+  t.trim_growths = 1;
+  auto o = conf::small_options();
+  o.thread_cache = false;
+  auto [hb, a] = vmm::test::make_host_alloc(o, t);
+  const std::size_t n = 32 * MiB;
+  REQUIRE(2 * n < t.huge_threshold);
+  a.deallocate(a.allocate(n));
+  a.trim(0);
+  REQUIRE(a.stats().physical == 0);
+  const auto c0 = a.stats().calls;
+  void* pages = a.allocate(n);  // the growth after the trim: one handle a page
+  void* q = a.allocate(n);      // max_handle again
+  REQUIRE((pages && q));
+  CHECK(a.stats().calls.create - c0.create == n / (2 * MiB) + n / t.max_handle);
+  a.deallocate(pages);
+  const auto c1 = a.stats().calls;
+  void* r = a.allocate(2 * n);  // the pages' handles are evicted: released, not mapped
+  REQUIRE(r != nullptr);
+  host_traits::fill(r, 2 * n, 3);
+  CHECK(host_traits::verify(r, 2 * n, 3));
+  const auto c2 = a.stats().calls;
+  CHECK(c2.map - c1.map == 2 * n / t.max_handle);
+  CHECK(c2.create - c1.create == 2 * n / t.max_handle);
+  CHECK(c2.release - c1.release == n / (2 * MiB));
+  CHECK(a.stats().physical == 3 * n);
+  CHECK(hb->live_handles() == 3 * n / t.max_handle);
+  CHECK(a.check() == "");
+  a.deallocate(q);
+  a.deallocate(r);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(hb->live_handles() == 0);
+}
+
 TEST_CASE("under a memory limit, pages freed beside a live block go back when the limit binds") {
   // One 24 MiB growth; a 22 MiB block and a 1 MiB block then share its memory, and the 22 MiB one
   // is freed. Under a 64 MiB limit a 48 MiB request fits only if the 16 MiB of wholly free pages

@@ -148,8 +148,9 @@ class arena {
   // ---- plan (under the caller's lock; no driver call) ----
   // Plans mapping `size` bytes (multiple of G) as one or more chunks, contiguous in VA, into the
   // pending job; returns where. With at != 0 the range must start exactly there (extending a span),
-  // else it goes in the lowest hole that fits. Idle handles are used first (stitching); the rest
-  // is created. With `mapped` given the range may come out larger: a retired handle (its memory
+  // else it goes in the lowest hole that fits. Idle handles are used first (stitching), those that
+  // fill a whole piece (max_piece, or what is left) or are still held by a retired range; the rest
+  // is created, smaller idle handles released first. With `mapped` given the range may come out larger: a retired handle (its memory
   // held until its old range is unmapped anyway) bigger than what is left to map is mapped whole
   // rather than released while a new one is created; *mapped says how much. With max_piece != 0
   // what is created comes as handles of at most that size (rounded up to G). `stream`: where the

@@ -27,7 +27,8 @@ struct tuning {
   // blocks alike: a block freed beside a live one gives back the handles it covers whole. One
   // handle a growth held a mostly free 200 MiB handle for a 1 MiB block. GPT-2 on an H200: held /
   // allocated 1.092 with one handle, 1.038 with 32 MiB, 1.011 with 16 MiB (as many driver calls
-  // as 32 MiB); 8 MiB: 8-16x the calls on its replay.
+  // as 32 MiB); 8 MiB: 8-16x the calls on its replay. A growth maps idle handles of this size
+  // (or of what it still lacks) and releases smaller ones (arena::map_range).
   std::size_t max_handle = std::size_t{16} << 20;
   // After the program trims (PyTorch's empty_cache), this many growths create handles of one
   // granularity page: the program asked for its free memory back, and a trim can only give back

@@ -111,13 +111,19 @@ tuning small_tuning() {
   return t;
 }
 // An allocator over the fault backend with these cases' options (o) and sizes.
-allocator make(std::unique_ptr<backend_iface> b, const options& o = small_opts()) {
-  return allocator_access::make(std::move(b), o, small_tuning());
+allocator make(std::unique_ptr<backend_iface> b, const options& o = small_opts(), const tuning& t = small_tuning()) {
+  return allocator_access::make(std::move(b), o, t);
+}
+// For two_free_chunks: handles of at most 4 MiB, so the freed ones are whole pieces a growth maps.
+tuning stitch_tuning() {
+  tuning t = small_tuning();
+  t.max_handle = 4 * MiB;
+  return t;
 }
 
 // Two huge blocks of 4 MiB, freed: two free chunks (release threshold max keeps them). A 12 MiB
 // request then unmaps them into idle handles (stitching) and maps three pieces: idle, idle,
-// created, in that order.
+// created, in that order (with stitch_tuning: idle handles smaller than a piece are released).
 void two_free_chunks(allocator& a) {
   void* x = a.allocate(4 * MiB);
   void* y = a.allocate(4 * MiB);
@@ -172,7 +178,7 @@ TEST_CASE("pair: map refused, then unmapping an earlier piece refused twice -> a
   host_backend* hb = backend_cast<host_backend>(*host);
   auto st = std::make_shared<fault_state>();
   {
-    allocator a = make(make_fault_over(*host, st));
+    allocator a = make(make_fault_over(*host, st), small_opts(), stitch_tuning());
     void* keep = a.allocate(3 * MiB);  // a live large block, checked after everything
     fill_block(keep, 3 * MiB, 5);
     two_free_chunks(a);
@@ -265,7 +271,7 @@ TEST_CASE("pair: create refused with idle pieces taken -> they go back to the id
   host_backend* hb = backend_cast<host_backend>(*host);
   auto st = std::make_shared<fault_state>();
   {
-    allocator a = make(make_fault_over(*host, st));
+    allocator a = make(make_fault_over(*host, st), small_opts(), stitch_tuning());
     two_free_chunks(a);
     const allocator_stats before = a.stats();
     // invalid_value: no out-of-memory reclaim and retry, only the undoing of this request.

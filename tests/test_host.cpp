@@ -83,6 +83,13 @@ struct host_traits {
 
 constexpr std::size_t MiB = std::size_t{1} << 20, G2 = 2 * MiB;
 
+// small_options without thread caches (small or large): every free reaches the heap at once.
+vmm::options heap_only_options() {
+  vmm::options o = conf::small_options();
+  o.thread_cache = false;
+  return o;
+}
+
 }  // namespace
 
 VMM_CONFORMANCE_INVOKE(host_traits)
@@ -552,9 +559,7 @@ TEST_CASE("spans: a chunk given back from a span's middle is mapped again to joi
   // mapping the 4 MiB hole joins the spans. Without the join it takes 8 MiB at the far end.
   vmm::tuning t;
   t.max_growth = 4 * MiB;
-  auto o = conf::small_options();
-  o.thread_cache = false;  // every free reaches the heap at once
-  auto [hb, a] = vmm::test::make_host_alloc(o, t);
+  auto [hb, a] = vmm::test::make_host_alloc(heap_only_options(), t);
   std::vector<void*> v;
   for (int i = 0; i < 14; ++i) v.push_back(a.allocate(MiB));
   for (int i = 1; i < 14; ++i)
@@ -653,11 +658,8 @@ TEST_CASE("after a trim, growths create handles of one page; later ones of max_h
   // trim, the next trim_growths growths create one handle a page (16 for the same request), so
   // the next trim can give back every wholly free page; after them, max_handle again.
   vmm::tuning t;
-  t.thread_cache_large = false;
   t.trim_growths = 3;
-  auto o = conf::small_options();
-  o.thread_cache = false;
-  auto [hb, a] = vmm::test::make_host_alloc(o, t);
+  auto [hb, a] = vmm::test::make_host_alloc(heap_only_options(), t);
   const std::size_t n = 32 * MiB;
   REQUIRE(n < t.huge_threshold);
   auto creates_for = [&](std::size_t bytes) {
@@ -694,11 +696,8 @@ TEST_CASE("a growth maps idle handles that fill whole pieces; smaller ones are r
   // larger request evicts them: the growth creates handles of max_handle (16 MiB) instead of
   // mapping the pages, each of which would cost a mapping every time its memory moves again.
   vmm::tuning t;
-  t.thread_cache_large = false;
   t.trim_growths = 1;
-  auto o = conf::small_options();
-  o.thread_cache = false;
-  auto [hb, a] = vmm::test::make_host_alloc(o, t);
+  auto [hb, a] = vmm::test::make_host_alloc(heap_only_options(), t);
   const std::size_t n = 32 * MiB;
   REQUIRE(2 * n < t.huge_threshold);
   a.deallocate(a.allocate(n));
@@ -854,9 +853,7 @@ TEST_CASE("streams: a freed huge block larger than S's next request serves it wh
 }
 
 TEST_CASE("streams: small blocks freed on another stream wait for that stream's fence") {
-  vmm::options o = conf::small_options();
-  o.thread_cache = false;  // the heap's own rules, slot by slot
-  auto [hb, a] = vmm::test::make_host_alloc(o);
+  auto [hb, a] = vmm::test::make_host_alloc(heap_only_options());  // the heap's own rules, slot by slot
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);
   // Slabs belong to a stream: S2 never draws from S1's slots while S1 runs.
   hb->hold_stream(s1);

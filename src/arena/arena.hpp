@@ -150,13 +150,14 @@ class arena {
   // pending job; returns where. With at != 0 the range must start exactly there (extending a span),
   // else it goes in the lowest hole that fits. Idle handles are used first (stitching), those that
   // fill a whole piece (max_piece, or what is left) or are still held by a retired range; the rest
-  // is created, smaller idle handles released first. With `mapped` given the range may come out larger: a retired handle (its memory
-  // held until its old range is unmapped anyway) bigger than what is left to map is mapped whole
-  // rather than released while a new one is created; *mapped says how much. With max_piece != 0
-  // what is created comes as handles of at most that size (rounded up to G). `stream`: where the
-  // memory will be used; an idle handle whose retired range another stream's queued work may
-  // still touch is not taken (usable_for). Fails (out_of_memory) without a hole or room under the
-  // memory limit. One mapping per job: the caller runs the job before planning another.
+  // is created, smaller idle handles released first. With `mapped` given the range may come out
+  // larger: a retired handle (its memory held until its old range is unmapped anyway) bigger
+  // than what is left to map is mapped whole rather than released while a new one is created;
+  // *mapped says how much. With max_piece != 0 what is created comes as handles of at most that
+  // size (rounded up to G). `stream`: where the memory will be used; an idle handle whose retired
+  // range another stream's queued work may still touch is not taken (usable_for). Fails
+  // (out_of_memory) without a hole or room under the memory limit. One mapping per job: the
+  // caller runs the job before planning another.
   // headroom != 0 (with at == 0): the range goes at the top of the highest hole that leaves that
   // many bytes unmapped after it (room to grow in place later), else where it would without.
   result<std::uintptr_t> map_range(std::size_t size, std::uintptr_t at, std::uint32_t owner, stream_t stream,

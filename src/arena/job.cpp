@@ -49,6 +49,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
   std::size_t releasing = 0;
   std::size_t total = 0;
   bool flight = false;  // a piece the stream's queued work may still write (job::in_flight)
+  const std::size_t piece = max_piece ? std::max(round_up(max_piece, gran_), gran_) : 0;  // 0: no cap
   while (total < size) {
     const std::size_t want = size - total;
     // An idle handle is mapped when it fills a whole piece (max_piece, or what is left), or when
@@ -58,7 +59,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
     // growth) would move a page at a time for the rest of the process. One release and one
     // create repay at the first move: the T5 and GPT-2 replays make half the driver calls, for
     // 0.2-0.6 % more memory (handles wholly free less often).
-    const std::size_t whole = max_piece ? std::min(std::max(round_up(max_piece, gran_), gran_), want) : 0;
+    const std::size_t whole = piece ? std::min(piece, want) : 0;
     auto it = idle_.upper_bound(want);  // first idle handle larger than want
     auto fit = it;
     while (fit != idle_.begin() && !usable_for(std::prev(fit)->second, stream)) --fit;
@@ -99,7 +100,7 @@ result<std::uintptr_t> arena::map_range(std::size_t size, std::uintptr_t at, std
       for (const auto& p : pieces) idle_put(p.h, p.size);
       return {0, fail(errc::out_of_memory, "options.memory_limit", "memory limit of the policy reached")};
     }
-    const std::size_t cap = max_piece ? std::max(round_up(max_piece, gran_), gran_) : want;
+    const std::size_t cap = piece ? piece : want;
     for (std::size_t left = want; left;) {
       const std::size_t n = std::min(left, cap);
       pieces.push_back({n});  // created by run

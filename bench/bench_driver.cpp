@@ -8,6 +8,11 @@
 //   remap_one_unmap/cuda/handles:N the same, the N mappings unmapped in one call over the range
 //                                  (the driver takes a range over several mappings; the host
 //                                  backend unmaps only what one map mapped, so it has no variant)
+//   remap_beside/<backend>/handles:N remap while a second thread moves 64 handles of its own
+//                                  without a pause (unmap each, map each, one set_access): what
+//                                  one thread's growth costs while another's runs outside the
+//                                  allocator's lock. Counter beside_moves: the second thread's
+//                                  mappings per first-thread mapping.
 //
 // Counters, microseconds per mapping (averaged over iterations): map_us, access_us, unmap_us.
 // On the CUDA backend the mapped memory is written (untimed) before the unmap, as live memory is.
@@ -16,10 +21,13 @@
 //   bench_driver [--piece_mib=8] [Google Benchmark flags]
 #include <benchmark/benchmark.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <optional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -53,8 +61,72 @@ bool touch([[maybe_unused]] vmm::cuda_backend& b, [[maybe_unused]] std::uintptr_
 #endif
 }
 
+// A second thread moving `n` handles of its own (unmap each, map each, one set_access) until
+// stopped; counts its mappings, keeps its first refusal.
 template <class B>
-void bm_remap(benchmark::State& st, B& b, bool one_unmap) {
+class mover {
+ public:
+  mover(B& b, std::size_t n) : b_(b), n_(n) {}
+  ~mover() { stop(); }
+  std::string start() {
+    auto va = b_.reserve(n_ * g_piece, g_piece);
+    if (!va.ok()) return "reserve: " + va.st.message();
+    va_ = va.value;
+    for (std::size_t i = 0; i < n_; ++i) {
+      auto h = b_.create(g_piece, vmm::chunk_props{});
+      if (!h.ok()) return "create: " + h.st.message();
+      hs_.push_back(h.value);
+    }
+    if (std::string e = map_all(); !e.empty()) return e;
+    t_ = std::thread([this] {
+      while (!stop_.load(std::memory_order_relaxed)) {
+        for (std::size_t i = 0; i < n_; ++i) (void)b_.unmap(va_ + i * g_piece, g_piece);
+        if (std::string e = map_all(); !e.empty()) {
+          std::lock_guard<std::mutex> g(m_);
+          err_ = e;
+          return;
+        }
+        moves_.fetch_add(n_, std::memory_order_relaxed);
+      }
+    });
+    return {};
+  }
+  std::uint64_t moves() const { return moves_.load(std::memory_order_relaxed); }
+  std::string error() {
+    std::lock_guard<std::mutex> g(m_);
+    return err_;
+  }
+  void stop() {
+    stop_ = true;
+    if (t_.joinable()) t_.join();
+    if (!va_) return;
+    for (std::size_t i = 0; i < n_; ++i) (void)b_.unmap(va_ + i * g_piece, g_piece);
+    for (auto h : hs_) (void)b_.release(h);
+    (void)b_.free_reservation(va_, n_ * g_piece);
+    va_ = 0;
+  }
+
+ private:
+  std::string map_all() {
+    for (std::size_t i = 0; i < n_; ++i)
+      if (auto s = b_.map(va_ + i * g_piece, g_piece, hs_[i], 0); !s.ok()) return "map: " + s.message();
+    const vmm::access_desc rw[1] = {{access_device(b_), vmm::access_mode::read_write}};
+    if (auto s = b_.set_access(va_, n_ * g_piece, rw); !s.ok()) return "set_access: " + s.message();
+    return {};
+  }
+  B& b_;
+  std::size_t n_;
+  std::uintptr_t va_ = 0;
+  std::vector<vmm::mem_handle> hs_;
+  std::thread t_;
+  std::atomic<bool> stop_{false};
+  std::atomic<std::uint64_t> moves_{0};
+  std::mutex m_;
+  std::string err_;
+};
+
+template <class B>
+void bm_remap(benchmark::State& st, B& b, bool one_unmap, bool beside = false) {
   const auto n = static_cast<std::size_t>(st.range(0));
   const vmm::chunk_props props{};
   std::vector<vmm::mem_handle> handles;
@@ -79,6 +151,13 @@ void bm_remap(benchmark::State& st, B& b, bool one_unmap) {
   const vmm::access_desc rw[1] = {{access_device(b), vmm::access_mode::read_write}};
   double map_us = 0, access_us = 0, unmap_us = 0;
   std::string err;
+  std::optional<mover<B>> other;
+  std::uint64_t moves0 = 0;
+  if (beside) {
+    other.emplace(b, 64);
+    err = other->start();
+    moves0 = other->moves();
+  }
   for (auto _ : st) {
     auto t0 = std::chrono::steady_clock::now();
     for (std::size_t i = 0; i < n && err.empty(); ++i)
@@ -102,6 +181,11 @@ void bm_remap(benchmark::State& st, B& b, bool one_unmap) {
     unmap_us += us_since(t0);
     if (!err.empty()) break;
   }
+  const double moves = other ? double(other->moves() - moves0) : 0;
+  if (other) {
+    if (std::string e = other->error(); err.empty() && !e.empty()) err = "second thread: " + e;
+    other.reset();
+  }
   cleanup();
   if (!err.empty()) {
     st.SkipWithError(err.c_str());
@@ -112,6 +196,7 @@ void bm_remap(benchmark::State& st, B& b, bool one_unmap) {
   st.counters["access_us"] = access_us / per;
   st.counters["unmap_us"] = unmap_us / per;
   st.counters["piece_MiB"] = double(g_piece >> 20);
+  if (beside) st.counters["beside_moves"] = moves / per;
 }
 
 }  // namespace
@@ -129,9 +214,11 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(name.c_str(), run)->ArgName("handles")->Arg(1)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond);
   };
   add("remap/host", [](benchmark::State& st) { bm_remap(st, host, false); });
+  add("remap_beside/host", [](benchmark::State& st) { bm_remap(st, host, false, true); });
   if (cuda) {
     add("remap/cuda", [](benchmark::State& st) { bm_remap(st, *cuda, false); });
     add("remap_one_unmap/cuda", [](benchmark::State& st) { bm_remap(st, *cuda, true); });
+    add("remap_beside/cuda", [](benchmark::State& st) { bm_remap(st, *cuda, false, true); });
   }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

@@ -66,7 +66,9 @@ EXTRAS = "\n".join(
     + bench("bench_driver", ["remap/cuda/handles:64   2.87 ms   2.87 ms   24 access_us=26.2015 map_us=0.901988 "
                              "piece_MiB=8 unmap_us=17.769",
                              "remap/host/handles:256   1.48 ms   1.46 ms   49 access_us=0.324382 map_us=3.32489 "
-                             "piece_MiB=8 unmap_us=2.14124"])
+                             "piece_MiB=8 unmap_us=2.14124",
+                             "remap_beside/cuda/handles:64   9.1 ms   9.1 ms   8 access_us=118.37 "
+                             "beside_moves=0.4718 map_us=1.25 piece_MiB=8 unmap_us=22.01"])
     + bench("bench_growth", ["growth_copy/vmmalloc_cuda/real_time   1.81 ms   1.81 ms   38 old_MiB=1024",
                              "growth_copy/cudaMalloc/real_time   5.87 ms   1.94 ms   64 old_MiB=1024",
                              "growth_inplace_kept/vmmalloc_cuda/real_time   65.8 us   65.8 us   1051 old_MiB=1024"])
@@ -145,8 +147,9 @@ class Results(unittest.TestCase):
         self.assertIn("| 16 MiB | cudaMallocAsync | 1,000 | 2,000 | 4,000 | 8,000 | 16,000 | 0.12x |", text)
         self.assertIn("| 8 | 992 |", text)                                  # beside_growth
         self.assertNotIn("trace_overhead", text.split("## Driver costs")[0])  # its own section
-        self.assertIn("| remap/cuda | 64 | 0.90 | 26.2 | 17.8 |", text)
-        self.assertIn("| remap/host | 256 | 3.32 | 0.3 | 2.1 |", text)
+        self.assertIn("| remap/cuda | 64 | 0.90 | 26.2 | 17.8 | – |", text)
+        self.assertIn("| remap/host | 256 | 3.32 | 0.3 | 2.1 | – |", text)
+        self.assertIn("| remap_beside/cuda | 64 | 1.25 | 118.4 | 22.0 | 0.47 |", text)
         self.assertIn("| vmmalloc | 1.81 |", text)
         self.assertIn("| cudaMalloc | 5.87 |", text)
         self.assertIn("| after a shrink that kept the handle (`growth_inplace_kept`) | 65.8 |", text)

@@ -4,15 +4,15 @@
 // new range, the range gets one set_access, and the old ranges are unmapped. This times those
 // three driver steps for N handles laid side by side, as the heap does.
 //
-//   remap/<backend>/handles:N      map N handles, one set_access over the N, unmap each mapping
-//   remap_one_unmap/cuda/handles:N the same, the N mappings unmapped in one call over the range
-//                                  (the driver takes a range over several mappings; the host
-//                                  backend unmaps only what one map mapped, so it has no variant)
-//   remap_beside/<backend>/handles:N remap while a second thread moves 64 handles of its own
-//                                  without a pause (unmap each, map each, one set_access): what
-//                                  one thread's growth costs while another's runs outside the
-//                                  allocator's lock. Counter beside_moves: the second thread's
-//                                  mappings per first-thread mapping.
+//   remap/<backend>/handles:N         map N handles, one set_access over the N, unmap each mapping
+//   remap_one_unmap/cuda/handles:N    the same, the N mappings unmapped in one call over the range
+//                                     (the driver takes a range over several mappings; the host
+//                                     backend unmaps only what one map mapped: no variant there)
+//   remap_beside/<backend>/handles:N  remap while a second thread moves 64 handles of its own
+//                                     without a pause (unmap each, map each, one set_access): one
+//                                     thread's growth beside another's, both outside the
+//                                     allocator's lock. Counter beside_moves: the second thread's
+//                                     mappings per first-thread mapping.
 //
 // Counters, microseconds per mapping (averaged over iterations): map_us, access_us, unmap_us.
 // On the CUDA backend the mapped memory is written (untimed) before the unmap, as live memory is.

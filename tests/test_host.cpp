@@ -852,6 +852,31 @@ TEST_CASE("streams: a freed huge block larger than S's next request serves it wh
   CHECK(hb->live_mappings() == 0);
 }
 
+TEST_CASE("slabs: a few slots of many classes share one page; a page goes back with its last slab") {
+  auto [hb, a] = vmm::test::make_host_alloc(heap_only_options());
+  REQUIRE(a.granularity() == G2);
+  // Slots of 256 B to 8 KiB: slabs of one unit (G / 8) each, all in one page of slabs.
+  std::vector<void*> ps;
+  for (std::size_t n = 256; n <= 8192; n *= 2) ps.push_back(a.allocate(n));
+  CHECK(a.stats().slab_bytes == G2);
+  CHECK(a.check() == "");
+  // 64 KiB slots: a slab of 32 slots is a page; it takes one of its own.
+  void* big = a.allocate(64 * 1024);
+  CHECK(a.stats().slab_bytes == 2 * G2);
+  // Every slot in its own slab's units: the memory map lists each as live, inside a slab page.
+  std::size_t live_small = 0;
+  for (const auto& seg : a.memory_map())
+    for (const auto& b : seg.blocks)
+      if (b.state == vmm::block_state::live && b.size <= 64 * 1024) ++live_small;
+  CHECK(live_small == ps.size() + 1);
+  a.deallocate(big);
+  for (void* p : ps) a.deallocate(p);
+  a.trim(0);  // empty slabs go, then their pages, then the memory
+  CHECK(a.stats().slab_bytes == 0);
+  CHECK(a.stats().mapped == 0);
+  CHECK(a.check() == "");
+}
+
 TEST_CASE("streams: small blocks freed on another stream wait for that stream's fence") {
   auto [hb, a] = vmm::test::make_host_alloc(heap_only_options());  // the heap's own rules, slot by slot
   auto s1 = host_traits::stream(1), s2 = host_traits::stream(2);

@@ -70,7 +70,7 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
   }
   if (free_blocks != listed) return "a free block is missing from the free lists";
   // 3. huge blocks, slabs, page chains
-  std::size_t chained = 0, slabs = 0, huge_cached = 0, huge_seen = 0;
+  std::size_t chained = 0, slabs = 0, slab_pages = 0, huge_cached = 0, huge_seen = 0;
   for (std::size_t pg = 0; pg < m.pages.size(); ++pg) {
     for (block* b = m.pages[pg].starts; b; b = b->page_next) {
       ++chained;
@@ -95,33 +95,47 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
         ++live;
       }
     }
-    if (impl::slab* s = m.slab_at(pg)) {
-      ++slabs;
-      if (s->base != m.a.base() + pg * m.G || s->blk->addr != s->base) return "slab not at its page";
-      std::size_t held = 0, pending = 0;
-      if (s->seq.load() & 1) return "a slab is half set up";
-      for (std::uint32_t i = 0; i < s->nslots; ++i) {
-        if ((s->state[i].load(std::memory_order_relaxed) & 0xff00) != s->tag) return "a slot state carries another slab's tag";
-        if (s->get(i) != impl::slot_free) {
-          ++held;
-          allocated += s->slot;
-          if (exact_requested) requested += s->requested(i);  // others may be writing it
-          ++live;
-        } else if (s->requested(i) != 0) {
-          return "a free slot still records requested bytes";
+    for (block* b = m.pages[pg].starts; b; b = b->page_next) {
+      if (!(b->flags & impl::f_slab)) continue;
+      auto pit = m.slab_pages.find(b->addr);
+      if (pit == m.slab_pages.end() || pit->second.blk != b || b->size != m.G) return "a slab page is not listed";
+      ++slab_pages;
+      for (unsigned u = 0; u < 8; ++u) {
+        const std::uintptr_t ua = b->addr + u * m.U;
+        impl::slab* s = m.slab_of(ua);
+        if (!s != !(pit->second.used >> u & 1)) return "a slab page's unit map and used units differ";
+        if (!s || s->base != ua) continue;  // a free unit, or a slab's later unit
+        if (s->blk != b || s->stream != pit->second.stream) return "a slab is not its page's";
+        if (!s->bytes || (s->base - b->addr) % s->bytes || s->base + s->bytes > b->addr + m.G) return "slab not at its units";
+        for (std::uintptr_t x = s->base; x < s->base + s->bytes; x += m.U)
+          if (m.slab_of(x) != s) return "a slab's unit names another slab";
+        ++slabs;
+        std::size_t held = 0, pending = 0;
+        if (s->seq.load() & 1) return "a slab is half set up";
+        for (std::uint32_t i = 0; i < s->nslots; ++i) {
+          if ((s->state[i].load(std::memory_order_relaxed) & 0xff00) != s->tag) return "a slot state carries another slab's tag";
+          if (s->get(i) != impl::slot_free) {
+            ++held;
+            allocated += s->slot;
+            if (exact_requested) requested += s->requested(i);  // others may be writing it
+            ++live;
+          } else if (s->requested(i) != 0) {
+            return "a free slot still records requested bytes";
+          }
         }
+        for (auto& d : m.deferred_frees) pending += d.p - s->base < s->bytes;
+        if (s->used != held + pending) return "slab used count is off";
+        if (s->free.size() != s->nslots - s->used) return "slab free stack size is off";
+        for (auto i : s->free)
+          if (s->get(i) != impl::slot_free) return "a live slot is on the free stack";
+        if (s->listed != !s->free.empty()) return "slab class list membership is off";
       }
-      for (auto& d : m.deferred_frees) pending += d.p - s->base < m.G;
-      if (s->used != held + pending) return "slab used count is off";
-      if (s->free.size() != s->nslots - s->used) return "slab free stack size is off";
-      for (auto i : s->free)
-        if (s->get(i) != impl::slot_free) return "a live slot is on the free stack";
-      if (s->listed != !s->free.empty()) return "slab class list membership is off";
     }
   }
   if (chained != blocks + huge_seen) return "page chains hold blocks that are in no span";
   if (huge_cached != m.huge_cache.size()) return "huge cache does not match the free huge blocks";
   if (slabs != m.st.slabs) return "slab count is off";
+  if (slab_pages != m.slab_pages.size() || m.st.slab_bytes != slab_pages * m.G) return "slab pages are off";
   if (allocated != m.st.allocated || live != m.st.live ||
       (exact_requested && requested != m.st.requested + requested_outside))
     return "heap stats do not add up (allocated/requested/live)";

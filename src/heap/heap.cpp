@@ -8,7 +8,9 @@
 namespace vmm {
 
 
-heap::impl::impl(arena& ar, std::uint16_t id) : a(ar), hid(id), G(ar.granularity()), pages(ar.pages()) {
+heap::impl::impl(arena& ar, std::uint16_t id)
+    : a(ar), hid(id), G(ar.granularity()), U(G / 8), unit_shift(static_cast<unsigned>(std::countr_zero(U))),
+      pages(ar.pages()), slabs_by_unit(ar.reservation_size() / U) {
   next_growth = G;
   // An ipc policy puts every allocation on chunks of its own (an importer must map nothing
   // else): no size classes, everything takes the huge path. Costs up to G - 1 bytes a block.
@@ -76,7 +78,7 @@ result<std::uintptr_t> heap::allocate_once(std::size_t n, std::size_t align, str
 status heap::deallocate(std::uintptr_t p, stream_t s) {
   auto& m = *p_;
   if (!m.a.contains(p)) return fail(errc::invalid_pointer, "pointer not from this allocator");
-  if (impl::slab* sl = m.slab_at(m.a.page_of(p))) {
+  if (impl::slab* sl = m.slab_of(p)) {
     std::uintptr_t off = p - sl->base;
     std::uint32_t i = static_cast<std::uint32_t>(off / sl->slot);
     if (off % sl->slot || i >= sl->nslots) return fail(errc::invalid_pointer, "interior pointer (not the start of an allocation)");
@@ -148,7 +150,7 @@ status heap::deallocate(std::uintptr_t p, stream_t s) {
 std::size_t heap::usable_size(std::uintptr_t p) const {
   auto& m = *p_;
   if (!m.a.contains(p)) return 0;
-  if (impl::slab* sl = m.slab_at(m.a.page_of(p))) {
+  if (impl::slab* sl = m.slab_of(p)) {
     std::uintptr_t off = p - sl->base;
     std::uint32_t i = static_cast<std::uint32_t>(off / sl->slot);
     if (off % sl->slot || i >= sl->nslots) return 0;
@@ -167,7 +169,7 @@ std::size_t heap::usable_size(std::uintptr_t p) const {
 std::size_t heap::requested_size(std::uintptr_t p) const {
   auto& m = *p_;
   if (!usable_size(p)) return 0;
-  if (impl::slab* sl = m.slab_at(m.a.page_of(p)))
+  if (impl::slab* sl = m.slab_of(p))
     return sl->requested(static_cast<std::uint32_t>((p - sl->base) / sl->slot));
   return m.block_at(p)->requested();
 }
@@ -205,8 +207,8 @@ bool heap::impl::relieve_pressure(std::size_t want, stream_t x) {
 
 void heap::impl::destroy_empty_slabs() {
   std::vector<slab*> empty;
-  for (auto& e : pages)
-    if (slab* s = e.s.load(std::memory_order_relaxed); s && s->used == 0) empty.push_back(s);
+  for (auto& s : slab_objects)
+    if (s->bytes && s->used == 0) empty.push_back(s.get());
   for (auto* s : empty) destroy_slab(s);
 }
 

@@ -2,7 +2,8 @@
 // vmmalloc heap: sub-allocation over the arena. Three paths by size:
 //
 //   small  (<= tuning::small_max, 64 KiB, alignment <= 256): size classes, each served
-//          from slabs (one G-aligned page carved into equal slots); free = push the slot index.
+//          from slabs (a block of 1-8 units of G / 8, aligned to its size, carved into equal
+//          slots: at least 32); free = push the slot index.
 //   large  (up to tuning::huge_threshold): TLSF-style good fit over "spans" (contiguous mapped VA), O(1)
 //          search with two bitmaps, immediate coalescing with free neighbours.
 //   huge   (>= huge_threshold, 128 MiB): dedicated chunks per allocation (handles of at
@@ -10,8 +11,8 @@
 //          slightly larger one, unmapped beyond the release threshold.
 //
 // All metadata lives in host memory: device memory is not readable by the CPU. free(p) finds its
-// block in O(1): the page map (page = granularity G) gives the slab of p, or a short chain of the
-// blocks that start in that page (bounded: blocks in the large path are > small_max, free
+// block in O(1): the unit map (G / 8) gives the slab of p, else the page map (page = granularity
+// G) a short chain of the blocks that start in that page (bounded: blocks in the large path are > small_max, free
 // neighbours are coalesced, so at most ~2 * G / small_max + 1 starts per page).
 //
 // Streams: a block freed on stream S is tagged S. S reuses it at once; another stream reuses it

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cassert>
 #include <limits>
 #include <map>
@@ -21,6 +22,8 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "heap/heap.hpp"
 #include "heap/tlsf.hpp"
@@ -99,12 +102,12 @@ struct heap::impl {
   };
 
   // Slot states, in the low byte of each slot's 16-bit state word. The high byte is the slab's
-  // tag: it changes every time a slab object is set up for a page, so a lock-free free that read
+  // tag: it changes every time a slab object is set up for a range, so a lock-free free that read
   // an old incarnation's metadata fails its compare-exchange instead of touching a new owner's slot.
   enum : std::uint8_t { slot_free = 0, slot_user = 1, slot_cached = 2, slot_user_recorded = 3 };
 
   // A slab object is never freed while the heap lives: destroy_slab() parks it for the next
-  // new_slab() (type-stable memory), and its arrays are sized once for the most slots a page can
+  // new_slab() (type-stable memory), and its arrays are sized once for the most slots a slab can
   // hold (G / 256), so a thread on the lock-free free path that raced a trim() still reads valid
   // memory. Fields the lock-free path reads (small_slot) are written with atomic stores while
   // `seq` is odd (a seqlock); everything else is under the heap lock.
@@ -112,7 +115,8 @@ struct heap::impl {
     std::atomic<std::uint32_t> seq{0};  // odd while being set up; the tag is (seq >> 1) & 0xff
     std::uint16_t tag = 0;              // current tag << 8
     std::uintptr_t base = 0;
-    block* blk = nullptr;
+    std::size_t bytes = 0;  // slab_size of its class; 0 while parked
+    block* blk = nullptr;   // the slab page it lies in
     stream_t stream = nullptr;
     std::uint32_t cls = 0, slot = 0, nslots = 0, used = 0;  // used counts live + deferred slots
     std::uint64_t inv = 0;  // ceil(2^40 / slot): index = off * inv >> 40, exact for off < 2^24
@@ -156,10 +160,53 @@ struct heap::impl {
   };
 
   struct page_entry {
-    std::atomic<slab*> s{nullptr};  // read without the lock by the thread-cache free path
     block* starts = nullptr;
   };
-  slab* slab_at(std::size_t pg) const { return pages[pg].s.load(std::memory_order_acquire); }
+  // Slabs are one to eight units (G / 8) of a slab page: a G-aligned page of the large path that
+  // holds only slabs, of any class and thread, for one stream (a unit freed by one slab serves
+  // the next in stream order). A class with a few live slots holds a unit, not a page: a CNN's
+  // peak held 22 pages of slabs, one or more per class and thread, for 3.7 MiB of live slots. The
+  // page goes back to the span when its last slab does.
+  struct slab_page {
+    block* blk = nullptr;
+    stream_t stream = nullptr;
+    std::uint8_t used = 0;  // bit i: unit i is a slab's
+  };
+  std::map<std::uintptr_t, slab_page> slab_pages;  // by address
+  // The slab that owns each unit of the reservation, or none. Read without the lock by the
+  // thread-cache free path (atomic_ref). Anonymous memory: a unit never used costs nothing (a
+  // device-sized reservation has about a million).
+  class slab_map {
+   public:
+    explicit slab_map(std::size_t n) : n_(n) {
+      constexpr int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+      void* m = ::mmap(nullptr, n * sizeof(slab*), PROT_READ | PROT_WRITE, flags, -1, 0);
+      if (m == MAP_FAILED) throw std::bad_alloc();
+      p_ = static_cast<slab**>(m);
+    }
+    ~slab_map() {
+      if (p_) ::munmap(p_, n_ * sizeof(slab*));
+    }
+    slab_map(const slab_map&) = delete;
+    slab_map& operator=(const slab_map&) = delete;
+    std::size_t size() const { return n_; }
+    slab* get(std::size_t u) const { return std::atomic_ref(p_[u]).load(std::memory_order_acquire); }
+    void set(std::size_t u, slab* s) { std::atomic_ref(p_[u]).store(s, std::memory_order_release); }
+
+   private:
+    slab** p_ = nullptr;
+    std::size_t n_ = 0;
+  };
+  std::size_t unit_of(std::uintptr_t p) const { return (p - a.base()) >> unit_shift; }
+  // The slab holding p (p inside the reservation), or nullptr.
+  slab* slab_of(std::uintptr_t p) const { return slabs_by_unit.get(unit_of(p)); }
+  // A class's slab: at least kSlabSlots slots, a power of two from one unit up to one page.
+  static constexpr std::size_t kSlabSlots = 32;
+  std::size_t slab_size(std::uint32_t cls) const {
+    std::size_t n = U;
+    while (n < G && n < std::size_t{class_size[cls]} * kSlabSlots) n *= 2;
+    return n;
+  }
 
   arena& a;
   // The request being served: how far it may grow, and whether it planned a growth.
@@ -180,7 +227,10 @@ struct heap::impl {
   bool private_pool = false;  // a graph pool's: every mapped byte stays (see heap::set_private)
   std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;
+  std::size_t U;         // slab unit: G / 8
+  unsigned unit_shift;   // log2(U)
   std::vector<page_entry> pages;
+  slab_map slabs_by_unit;
 
   std::uint64_t fl_bitmap = 0;
   std::uint32_t sl_bitmap[kFlCount] = {};

@@ -36,11 +36,18 @@ void heap::memory_map(std::uint64_t pool, std::vector<segment_info>& out) const 
     if (bytes > used) v.push_back({s.base + used, bytes - used, 0, block_state::free});
   };
   auto block_of = [&](const block* b, std::vector<block_info>& v) {
-    if (b->flags & impl::f_slab) {
-      if (const impl::slab* s = m.slab_at(m.a.page_of(b->addr)); s && s->blk == b) {
-        add_slots(*s, b->size, v);
-        return;
+    if (b->flags & impl::f_slab) {  // a slab page: its slabs slot by slot, its free units
+      for (std::uintptr_t u = b->addr; u < b->addr + b->size;) {
+        const impl::slab* s = m.slab_of(u);
+        if (s && s->base == u && s->blk == b) {
+          add_slots(*s, s->bytes, v);
+          u += s->bytes;
+        } else {
+          v.push_back({u, m.U, 0, block_state::free});
+          u += m.U;
+        }
       }
+      return;
     }
     block_info bi{b->addr, b->size, 0, block_state::free};
     if (b->flags & impl::f_free) {

@@ -1,16 +1,41 @@
 // SPDX-License-Identifier: Apache-2.0
-// Small sizes: size classes served from slabs (one page carved into equal slots), and the
-// thread-cache protocol the front end uses to take and return slots without the heap lock.
+// Small sizes: size classes served from slabs (a block of one to eight units, G / 8 each, carved
+// into equal slots), and the thread-cache protocol the front end uses to take and return slots
+// without the heap lock.
 #include "heap/heap_impl.hpp"
 
 namespace vmm {
 
 
 result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
-  auto r = allocate_large(G, G, x);
-  if (!r.ok() || !r.value) return {nullptr, r.st};  // no page: a growth planned, or an error
-  block* b = r.value;
-  b->flags = f_slab;
+  const std::size_t bytes = slab_size(cls);
+  const auto units = static_cast<unsigned>(bytes / U);
+  const auto mask = static_cast<std::uint8_t>((1u << units) - 1);
+  // The first run of free units, aligned to the slab's size, in a slab page of this stream.
+  slab_page* pg = nullptr;
+  unsigned at = 0;
+  for (auto& [va, e] : slab_pages) {
+    if (e.stream != x) continue;
+    for (at = 0; at < 8; at += units)
+      if (!(e.used & (mask << at))) break;
+    if (at < 8) {
+      pg = &e;
+      break;
+    }
+  }
+  if (!pg) {
+    auto r = allocate_large(G, G, x);
+    if (!r.ok() || !r.value) return {nullptr, r.st};  // no page: a growth planned, or an error
+    r.value->flags = f_slab;
+    pg = &slab_pages[r.value->addr];
+    pg->blk = r.value;
+    pg->stream = x;
+    at = 0;
+    st.slab_bytes += G;
+  }
+  pg->used = static_cast<std::uint8_t>(pg->used | (mask << at));
+  block* b = pg->blk;
+  const std::uintptr_t base = b->addr + at * U;
   slab* s = nullptr;
   if (!spare_slabs.empty()) {
     s = spare_slabs.back();
@@ -28,14 +53,15 @@ result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
   s->seq.store(seq, std::memory_order_relaxed);
   const std::uint32_t slot = class_size[cls];
   constexpr auto rel = std::memory_order_release;
-  std::atomic_ref(s->base).store(b->addr, rel);
+  std::atomic_ref(s->base).store(base, rel);
   std::atomic_ref(s->stream).store(x, rel);
   std::atomic_ref(s->cls).store(cls, rel);
   std::atomic_ref(s->slot).store(slot, rel);
-  std::atomic_ref(s->nslots).store(static_cast<std::uint32_t>(G / slot), rel);
+  std::atomic_ref(s->nslots).store(static_cast<std::uint32_t>(bytes / slot), rel);
   std::atomic_ref(s->inv).store(((std::uint64_t{1} << 40) + slot - 1) / slot, rel);
   s->tag = static_cast<std::uint16_t>((((seq + 1) >> 1) & 0xff) << 8);
   s->blk = b;
+  s->bytes = bytes;
   s->used = 0;
   s->owner = 0;
   s->prev = s->next = nullptr;
@@ -47,8 +73,7 @@ result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
     s->set_requested(i, 0);
   }
   s->seq.store(seq + 1, std::memory_order_release);
-  pages[a.page_of(b->addr)].s.store(s, std::memory_order_release);
-  st.slab_bytes += G;
+  for (std::size_t u = unit_of(base), e = u + units; u < e; ++u) slabs_by_unit.set(u, s);
   ++st.slabs;
   return {s, {}};
 }
@@ -56,10 +81,19 @@ result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
 void heap::impl::destroy_slab(slab* s) {
   auto& heads = heads_for(s->stream);
   if (s->listed) list_remove(heads, s);
-  pages[a.page_of(s->base)].s.store(nullptr, std::memory_order_release);
-  st.slab_bytes -= G;
+  const auto units = static_cast<unsigned>(s->bytes / U);
+  for (std::size_t u = unit_of(s->base), e = u + units; u < e; ++u) slabs_by_unit.set(u, nullptr);
   --st.slabs;
-  free_large(s->blk, s->stream);
+  auto it = slab_pages.find(s->blk->addr);
+  assert(it != slab_pages.end());
+  it->second.used &= static_cast<std::uint8_t>(~(((1u << units) - 1) << ((s->base - s->blk->addr) / U)));
+  s->bytes = 0;  // parked (destroy_empty_slabs, occupancy skip it)
+  if (!it->second.used) {  // the page's last slab: back to the span
+    st.slab_bytes -= G;
+    block* b = it->second.blk;
+    slab_pages.erase(it);
+    free_large(b, s->stream);
+  }
   spare_slabs.push_back(s);  // never freed: a racing lock-free free may still read it
 }
 
@@ -107,11 +141,9 @@ std::vector<class_occupancy> heap::occupancy() const {
   auto& m = *p_;
   std::vector<class_occupancy> v(m.class_size.size());
   for (std::size_t c = 0; c < v.size(); ++c) v[c].slot_size = m.class_size[c];
-  // Every slab owns exactly one page: walking the page map visits each once. O(pages), a few
-  // hundred microseconds for a device-sized reservation: a diagnostic, not for the hot path.
-  for (auto& e : m.pages) {
-    impl::slab* s = e.s.load(std::memory_order_acquire);
-    if (!s) continue;
+  for (auto& obj : m.slab_objects) {
+    const impl::slab* s = obj.get();
+    if (!s->bytes) continue;  // parked
     auto& o = v[s->cls];
     ++o.slabs;
     o.slots += s->nslots;
@@ -135,7 +167,7 @@ std::size_t heap::class_size(int cls) const noexcept { return p_->class_size[sta
 bool heap::small_slot(std::uintptr_t p, slot_ref& r) const noexcept {
   auto& m = *p_;
   if (!m.a.contains(p)) return false;
-  impl::slab* sl = m.slab_at(m.a.page_of(p));
+  impl::slab* sl = m.slab_of(p);
   if (!sl) return false;
   // Seqlock read: the slab may be set up again for another page or class by a thread holding the
   // lock (trim, growth). A read that overlaps that returns false; the state word's tag then stops
@@ -188,7 +220,7 @@ heap::outcome heap::refill(int cls, stream_t s, std::uintptr_t* out, std::size_t
 void heap::flush(const std::uintptr_t* ps, std::size_t n) {
   auto& m = *p_;
   for (std::size_t k = 0; k < n; ++k) {
-    impl::slab* sl = m.slab_at(m.a.page_of(ps[k]));
+    impl::slab* sl = m.slab_of(ps[k]);
     auto i = static_cast<std::uint32_t>((ps[k] - sl->base) / sl->slot);
     assert(sl->get(i) == impl::slot_cached && sl->requested(i) == 0);
     sl->set(i, impl::slot_free);

@@ -102,7 +102,7 @@ void heap::impl::poll_deferred() {
 }
 
 void heap::impl::complete_free(std::uintptr_t p, stream_t s) {
-  if (slab* sl = slab_at(a.page_of(p))) {
+  if (slab* sl = slab_of(p)) {
     release_slot(sl, static_cast<std::uint32_t>((p - sl->base) / sl->slot));
   } else {
     block* b = block_at(p);
@@ -113,13 +113,13 @@ void heap::impl::complete_free(std::uintptr_t p, stream_t s) {
 
 status heap::record_stream(std::uintptr_t p, stream_t s) {
   if (!usable_size(p)) return fail(errc::invalid_pointer, "record_stream: pointer not allocated");
-  if (impl::block* b = p_->slab_at(p_->a.page_of(p)) ? nullptr : p_->block_at(p)) {
+  if (impl::block* b = p_->slab_of(p) ? nullptr : p_->block_at(p)) {
     // A thread cache must not take this free (it needs the extra stream's fence): back to the heap.
     std::uint64_t w = b->tword.load(std::memory_order_acquire);
     if ((w & 0xff) == 1 && !b->tword.compare_exchange_strong(w, w & ~std::uint64_t{0xff}, std::memory_order_acq_rel))
       return fail(errc::invalid_pointer, "record_stream: pointer freed concurrently");
   }
-  if (impl::slab* sl = p_->slab_at(p_->a.page_of(p))) {
+  if (impl::slab* sl = p_->slab_of(p)) {
     // Thread caches must not take this free. A compare-exchange: a lock-free free of p racing
     // this call (a use after free by the caller) wins or loses cleanly.
     const auto i = static_cast<std::uint32_t>((p - sl->base) / sl->slot);

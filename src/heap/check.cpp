@@ -75,6 +75,42 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
     for (block* b = m.pages[pg].starts; b; b = b->page_next) {
       ++chained;
       if (m.a.page_of(b->addr) != pg) return "block chained under the wrong page";
+      if (b->flags & impl::f_slab) {  // a slab page: its units, its slabs
+        auto pit = m.slab_pages.find(b->addr);
+        if (pit == m.slab_pages.end() || pit->second.blk != b || b->size != m.G) return "a slab page is not listed";
+        ++slab_pages;
+        for (unsigned u = 0; u < 8; ++u) {
+          const std::uintptr_t ua = b->addr + u * m.U;
+          impl::slab* s = m.slab_of(ua);
+          if (!s != !(pit->second.used >> u & 1)) return "a slab page's unit map and used units differ";
+          if (!s || s->base != ua) continue;  // a free unit, or a slab's later unit
+          if (s->blk != b || s->stream != pit->second.stream) return "a slab is not its page's";
+          if (!s->bytes || (s->base - b->addr) % s->bytes || s->base + s->bytes > b->addr + m.G) return "slab not at its units";
+          for (std::uintptr_t x = s->base; x < s->base + s->bytes; x += m.U)
+            if (m.slab_of(x) != s) return "a slab's unit names another slab";
+          ++slabs;
+          std::size_t held = 0, pending = 0;
+          if (s->seq.load() & 1) return "a slab is half set up";
+          for (std::uint32_t i = 0; i < s->nslots; ++i) {
+            if ((s->state[i].load(std::memory_order_relaxed) & 0xff00) != s->tag) return "a slot state carries another slab's tag";
+            if (s->get(i) != impl::slot_free) {
+              ++held;
+              allocated += s->slot;
+              if (exact_requested) requested += s->requested(i);  // others may be writing it
+              ++live;
+            } else if (s->requested(i) != 0) {
+              return "a free slot still records requested bytes";
+            }
+          }
+          for (auto& d : m.deferred_frees) pending += d.p - s->base < s->bytes;
+          if (s->used != held + pending) return "slab used count is off";
+          if (s->free.size() != s->nslots - s->used) return "slab free stack size is off";
+          for (auto i : s->free)
+            if (s->get(i) != impl::slot_free) return "a live slot is on the free stack";
+          if (s->listed != !s->free.empty()) return "slab class list membership is off";
+        }
+        continue;
+      }
       if (b->flags & impl::f_huge) {
         ++huge_seen;
         if (auto it = m.extending.find(b->addr + b->size); it != m.extending.end() && it->second == b) {  // reserved by a planned growth: out of the cache, its chunks held
@@ -93,42 +129,6 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
         allocated += b->size;
         requested += b->requested();
         ++live;
-      }
-    }
-    for (block* b = m.pages[pg].starts; b; b = b->page_next) {
-      if (!(b->flags & impl::f_slab)) continue;
-      auto pit = m.slab_pages.find(b->addr);
-      if (pit == m.slab_pages.end() || pit->second.blk != b || b->size != m.G) return "a slab page is not listed";
-      ++slab_pages;
-      for (unsigned u = 0; u < 8; ++u) {
-        const std::uintptr_t ua = b->addr + u * m.U;
-        impl::slab* s = m.slab_of(ua);
-        if (!s != !(pit->second.used >> u & 1)) return "a slab page's unit map and used units differ";
-        if (!s || s->base != ua) continue;  // a free unit, or a slab's later unit
-        if (s->blk != b || s->stream != pit->second.stream) return "a slab is not its page's";
-        if (!s->bytes || (s->base - b->addr) % s->bytes || s->base + s->bytes > b->addr + m.G) return "slab not at its units";
-        for (std::uintptr_t x = s->base; x < s->base + s->bytes; x += m.U)
-          if (m.slab_of(x) != s) return "a slab's unit names another slab";
-        ++slabs;
-        std::size_t held = 0, pending = 0;
-        if (s->seq.load() & 1) return "a slab is half set up";
-        for (std::uint32_t i = 0; i < s->nslots; ++i) {
-          if ((s->state[i].load(std::memory_order_relaxed) & 0xff00) != s->tag) return "a slot state carries another slab's tag";
-          if (s->get(i) != impl::slot_free) {
-            ++held;
-            allocated += s->slot;
-            if (exact_requested) requested += s->requested(i);  // others may be writing it
-            ++live;
-          } else if (s->requested(i) != 0) {
-            return "a free slot still records requested bytes";
-          }
-        }
-        for (auto& d : m.deferred_frees) pending += d.p - s->base < s->bytes;
-        if (s->used != held + pending) return "slab used count is off";
-        if (s->free.size() != s->nslots - s->used) return "slab free stack size is off";
-        for (auto i : s->free)
-          if (s->get(i) != impl::slot_free) return "a live slot is on the free stack";
-        if (s->listed != !s->free.empty()) return "slab class list membership is off";
       }
     }
   }

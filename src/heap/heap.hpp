@@ -12,8 +12,8 @@
 //
 // All metadata lives in host memory: device memory is not readable by the CPU. free(p) finds its
 // block in O(1): the unit map (G / 8) gives the slab of p, else the page map (page = granularity
-// G) a short chain of the blocks that start in that page (bounded: blocks in the large path are > small_max, free
-// neighbours are coalesced, so at most ~2 * G / small_max + 1 starts per page).
+// G) a short chain of the blocks that start in that page (bounded: blocks in the large path are
+// > small_max, free neighbours are coalesced, so at most ~2 * G / small_max + 1 starts per page).
 //
 // Streams: a block freed on stream S is tagged S. S reuses it at once; another stream reuses it
 // only after a fence recorded on S after the free has completed. The fence is recorded lazily,

@@ -173,6 +173,10 @@ struct heap::impl {
     std::uint8_t used = 0;  // bit i: unit i is a slab's
   };
   std::map<std::uintptr_t, slab_page> slab_pages;  // by address
+  // The bits of slab_page::used that `units` units from unit `at` take.
+  static std::uint8_t unit_bits(unsigned units, unsigned at) {
+    return static_cast<std::uint8_t>(((1u << units) - 1) << at);
+  }
   // The slab that owns each unit of the reservation, or none. Read without the lock by the
   // thread-cache free path (atomic_ref). Anonymous memory: a unit never used costs nothing (a
   // device-sized reservation has about a million).
@@ -189,7 +193,6 @@ struct heap::impl {
     }
     slab_map(const slab_map&) = delete;
     slab_map& operator=(const slab_map&) = delete;
-    std::size_t size() const { return n_; }
     slab* get(std::size_t u) const { return std::atomic_ref(p_[u]).load(std::memory_order_acquire); }
     void set(std::size_t u, slab* s) { std::atomic_ref(p_[u]).store(s, std::memory_order_release); }
 

@@ -10,14 +10,13 @@ namespace vmm {
 result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
   const std::size_t bytes = slab_size(cls);
   const auto units = static_cast<unsigned>(bytes / U);
-  const auto mask = static_cast<std::uint8_t>((1u << units) - 1);
   // The first run of free units, aligned to the slab's size, in a slab page of this stream.
   slab_page* pg = nullptr;
   unsigned at = 0;
   for (auto& [va, e] : slab_pages) {
     if (e.stream != x) continue;
     for (at = 0; at < 8; at += units)
-      if (!(e.used & (mask << at))) break;
+      if (!(e.used & unit_bits(units, at))) break;
     if (at < 8) {
       pg = &e;
       break;
@@ -33,7 +32,7 @@ result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
     at = 0;
     st.slab_bytes += G;
   }
-  pg->used = static_cast<std::uint8_t>(pg->used | (mask << at));
+  pg->used |= unit_bits(units, at);
   block* b = pg->blk;
   const std::uintptr_t base = b->addr + at * U;
   slab* s = nullptr;
@@ -86,7 +85,7 @@ void heap::impl::destroy_slab(slab* s) {
   --st.slabs;
   auto it = slab_pages.find(s->blk->addr);
   assert(it != slab_pages.end());
-  it->second.used &= static_cast<std::uint8_t>(~(((1u << units) - 1) << ((s->base - s->blk->addr) / U)));
+  it->second.used &= static_cast<std::uint8_t>(~unit_bits(units, static_cast<unsigned>((s->base - s->blk->addr) / U)));
   s->bytes = 0;  // parked (destroy_empty_slabs, occupancy skip it)
   if (!it->second.used) {  // the page's last slab: back to the span
     st.slab_bytes -= G;

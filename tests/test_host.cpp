@@ -821,6 +821,51 @@ TEST_CASE("streams: memory freed on S while S runs behind serves S's next growth
   CHECK(hb->live_mappings() == 0);
 }
 
+TEST_CASE("growth: below the allocated high-water mark new memory is created, above it free chunks move") {
+  // Moving a free chunk to where a growth needs it costs an unmap and a map; creating costs a
+  // create and a map. Below the most the heap ever had allocated, creating cannot raise the peak
+  // held, so the growth creates; above it, free chunks are moved and nothing is created.
+  vmm::tuning t;
+  t.max_growth = 2 * MiB;  // chunks of 2 MiB
+  t.trim_growths = 0;      // handles as without a trim
+  t.thread_cache_large = false;
+  auto [hb, a] = vmm::test::make_host_alloc(conf::small_options(), t);
+  std::vector<void*> top;
+  for (int i = 0; i < 8; ++i) top.push_back(a.allocate(2 * MiB));
+  for (void* p : top) a.deallocate(p);
+  a.trim(0);  // 16 MiB allocated at most, nothing held
+  REQUIRE(a.stats().physical == 0);
+  std::vector<void*> v;
+  for (int i = 0; i < 4; ++i) v.push_back(a.allocate(2 * MiB));
+  a.deallocate(v[0]);
+  a.deallocate(v[2]);  // two free chunks, not adjacent: a 4 MiB request fits neither
+  const auto before = a.stats();
+  REQUIRE(before.free_chunk_bytes == 4 * MiB);
+  void* p = a.allocate(4 * MiB);  // 8 + 4 MiB held <= 16: created, nothing moved
+  REQUIRE(p);
+  const auto mid = a.stats();
+  CHECK(mid.calls.unmap == before.calls.unmap);
+  CHECK(mid.calls.create > before.calls.create);
+  CHECK(mid.physical == before.physical + 4 * MiB);
+  CHECK(mid.free_chunk_bytes == 4 * MiB);
+  void* q = a.allocate(6 * MiB);  // 12 + 6 MiB > 16: the two free chunks move, 2 MiB is created
+  REQUIRE(q);
+  const auto after = a.stats();
+  CHECK(after.calls.unmap == mid.calls.unmap + 2);
+  CHECK(after.physical == mid.physical + 2 * MiB);
+  CHECK(after.free_chunk_bytes == 0);
+  host_traits::fill(q, 6 * MiB, 9);
+  CHECK(host_traits::verify(q, 6 * MiB, 9));
+  CHECK(a.check() == "");
+  a.deallocate(p);
+  a.deallocate(q);
+  a.deallocate(v[1]);
+  a.deallocate(v[3]);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(hb->live_mappings() == 0);
+}
+
 TEST_CASE("streams: a freed huge block larger than S's next request serves it while S runs behind") {
   // Training with varying shapes: a 96 MiB activation freed, a 70 MiB one asked for on the same
   // stream while the GPU is still behind. Its handle is mapped whole for the request (retired):

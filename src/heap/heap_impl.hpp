@@ -261,6 +261,10 @@ struct heap::impl {
   std::vector<block*> pool_free;
 
   heap_stats st;
+  // The most this heap has had allocated at once; reset_peaks leaves it. A growth that keeps what
+  // the heap holds within it creates memory instead of moving free chunks' handles (an unmap and
+  // a map each): the process needed that much at once before, so its peak held cannot rise.
+  std::size_t top_allocated = 0;
 
   impl(arena& ar, std::uint16_t id);
 
@@ -417,8 +421,9 @@ struct heap::impl {
   // the rest once it has grown).
   bool relieve_pressure(std::size_t want, stream_t x);
   // Before a growth maps `size` (spans and huge chunks alike): relieve_pressure, or else wholly
-  // free chunks become idle handles the growth maps (stitching). pressed: the caller
-  // releases the idle handles its growth did not map.
+  // free chunks become idle handles the growth maps (stitching), unless what the heap holds after
+  // the growth stays within top_allocated. pressed: the caller releases the idle handles its
+  // growth did not map.
   status prepare_growth(std::size_t size, stream_t x, bool& pressed);
   void destroy_empty_slabs();
 
@@ -509,6 +514,7 @@ inline void heap::impl::note_alloc(std::size_t n, std::size_t sz) {
   if (static_cast<std::int64_t>(st.requested) >= 0)
     st.peak_requested = std::max(st.peak_requested, st.requested);
   st.peak_allocated = std::max(st.peak_allocated, st.allocated);
+  top_allocated = std::max(top_allocated, st.allocated);
   ++st.allocs;
   ++st.live;
 }

@@ -79,7 +79,7 @@ std::string heap::check(std::uint64_t requested_outside, bool exact_requested) c
         auto pit = m.slab_pages.find(b->addr);
         if (pit == m.slab_pages.end() || pit->second.blk != b || b->size != m.G) return "a slab page is not listed";
         ++slab_pages;
-        for (unsigned u = 0; u < 8; ++u) {
+        for (unsigned u = 0; u < impl::kUnitsPerPage; ++u) {
           const std::uintptr_t ua = b->addr + u * m.U;
           impl::slab* s = m.slab_of(ua);
           if (!s != !(pit->second.used >> u & 1)) return "a slab page's unit map and used units differ";

@@ -9,12 +9,12 @@ namespace vmm {
 
 
 heap::impl::impl(arena& ar, std::uint16_t id)
-    : a(ar), hid(id), G(ar.granularity()), U(G / 8), unit_shift(static_cast<unsigned>(std::countr_zero(U))),
+    : a(ar), hid(id), G(ar.granularity()), U(G / kUnitsPerPage), unit_shift(static_cast<unsigned>(std::countr_zero(U))),
       pages(ar.pages()), slabs_by_unit(ar.reservation_size() / U) {
   next_growth = G;
   // An ipc policy puts every allocation on chunks of its own (an importer must map nothing
   // else): no size classes, everything takes the huge path. Costs up to G - 1 bytes a block.
-  std::size_t small_max = whole_chunks() ? 0 : std::min<std::size_t>(ar.tune().small_max, G / 8);
+  std::size_t small_max = whole_chunks() ? 0 : std::min<std::size_t>(ar.tune().small_max, G / kUnitsPerPage);
   small_max = small_max / kUnit * kUnit;
   for (std::size_t s = kUnit; s <= std::min<std::size_t>(2048, small_max); s += kUnit)
     class_size.push_back(static_cast<std::uint32_t>(s));

@@ -167,6 +167,7 @@ struct heap::impl {
   // the next in stream order). A class with a few live slots holds a unit, not a page: a CNN's
   // peak held 22 pages of slabs, one or more per class and thread, for 3.7 MiB of live slots. The
   // page goes back to the span when its last slab does.
+  static constexpr unsigned kUnitsPerPage = 8;  // slab_page::used has a bit for each
   struct slab_page {
     block* blk = nullptr;
     stream_t stream = nullptr;
@@ -230,7 +231,7 @@ struct heap::impl {
   bool private_pool = false;  // a graph pool's: every mapped byte stays (see heap::set_private)
   std::uint16_t hid;  // this heap's id in the arena's chunk table (0: the allocator's own)
   std::size_t G;
-  std::size_t U;         // slab unit: G / 8
+  std::size_t U;         // slab unit: G / kUnitsPerPage
   unsigned unit_shift;   // log2(U)
   std::vector<page_entry> pages;
   slab_map slabs_by_unit;

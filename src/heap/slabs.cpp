@@ -15,9 +15,9 @@ result<heap::impl::slab*> heap::impl::new_slab(std::uint32_t cls, stream_t x) {
   unsigned at = 0;
   for (auto& [va, e] : slab_pages) {
     if (e.stream != x) continue;
-    for (at = 0; at < 8; at += units)
+    for (at = 0; at < kUnitsPerPage; at += units)
       if (!(e.used & unit_bits(units, at))) break;
-    if (at < 8) {
+    if (at < kUnitsPerPage) {
       pg = &e;
       break;
     }

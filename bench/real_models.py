@@ -66,7 +66,9 @@ format v2) into DIR/<model>-vmmalloc.trace.gz, and when
 vmm-replay is found (--replay-bin, else build*/tools/replay/) the trace is replayed on the GPU
 through vmmalloc and cudaMallocAsync so the replay's peaks can be set beside the real process's.
 
---profile-step N profiles one more training step (GPU kernel time against CPU time); --alloc-probe
+--profile-step N profiles one more training step (GPU kernel time against CPU time);
+--profile-generate N profiles generate() call N once more after the timed passes (how long the GPU
+ran kernels against the call's wall time: whether the call waits on the GPU or on the CPU); --alloc-probe
 times allocate + free pairs through torch.empty in every process after its runs, and the report
 gives each allocator's ns per pair beside the training steps' allocation count.
 
@@ -498,6 +500,7 @@ def markdown(result):
     ok = [r for r in runs if r.get("status") == "ok"]
     lines += rounds_table(ok)
     lines += profile_table(ok)
+    lines += profile_generate_table(ok)
     lines += probe_table(ok)
     if ok:
         lines += ["", "Peak held by phase (GiB; peaks reset at each phase's start) and device memory in use "
@@ -568,6 +571,26 @@ def profile_table(ok):
         out.append("| %s | %s | %s | %.1f | %.1f | %.1f | %s | %s |" % (
             r["model"], run_label(r, LABEL), step_label("train", p["step"], tuple(p["shape"])), p["seconds"] * 1e3,
             p["gpu_self_ms"], p["cpu_self_ms"], top(p.get("top_gpu", [])), top(p.get("top_cpu", []))))
+    return out
+
+
+def profile_generate_table(ok):
+    """--profile-generate: the profiled generate() call of every run."""
+    pr = [r for r in ok if r.get("profile_generate")]
+    if not pr:
+        return []
+    out = ["", "One generate() call under torch.profiler (--profile-generate; once more after the timed passes, "
+               "profiler overhead included). GPU busy: the union of the kernels' intervals; the rest of the wall "
+               "time the GPU waited for the CPU:", "",
+           "| model | allocator | call | wall s | GPU busy s | GPU busy / wall | kernels | GPU kernels s | CPU self s | most CPU time |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    top = lambda rows: "; ".join("%s %.0f" % (k.replace("|", "/")[:40], v) for k, v, _ in rows[:3]) or "-"
+    for r in pr:
+        p = r["profile_generate"]
+        out.append("| %s | %s | %s | %.2f | %.3f | %.3f | %s | %.3f | %.2f | %s |" % (
+            r["model"], run_label(r, LABEL), step_label("generate", p["call"], tuple(p["shape"])), p["seconds"],
+            p["gpu_busy_ms"] / 1e3, p["gpu_busy_ms"] / 1e3 / p["seconds"] if p["seconds"] else 0,
+            "{:,}".format(p["kernels"]), p["gpu_self_ms"] / 1e3, p["cpu_self_ms"] / 1e3, top(p.get("top_cpu", []))))
     return out
 
 
@@ -1042,6 +1065,8 @@ def run_workload(a, res, save, torch, transformers, t0):
                     del out, ids
                     sample("generate", step_label("generate", i, (b, p, n)))
                 passes.append(time.perf_counter() - tg)
+            if a.profile_generate is not None:
+                profile_generate(torch, a, res, spec, model, vocab, dev)
             res["generate_passes_s"] = passes
             res["generate_first_s"] = passes[0]
             res["generate_s"] = passes[-1]
@@ -1170,6 +1195,44 @@ def profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev
         note_failure(res, "--profile-step", e)
 
 
+def profile_generate(torch, a, res, spec, model, vocab, dev):
+    """--profile-generate N: generate() call N once more after the timed passes (not in their
+    times), under torch.profiler: how long the GPU ran kernels (their intervals' union) against
+    the call's wall time, and where the CPU's time went. A profiler that fails leaves a note."""
+    calls = spec["generate"]
+    if not 0 <= a.profile_generate < len(calls):
+        res["notes"].append("--profile-generate %d: this model has generate() calls 0-%d" % (
+            a.profile_generate, len(calls) - 1))
+        return
+    b, p, n = calls[a.profile_generate]
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        gg = torch.Generator().manual_seed(SEED + 2)
+        for i in range(a.profile_generate + 1):  # the same input ids as in the timed passes
+            ids = torch.randint(5, vocab, tuple(calls[i][:2]), generator=gg)
+        ids = ids.to(dev)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            g0 = time.perf_counter()
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                     min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
+            torch.cuda.synchronize()
+            secs = time.perf_counter() - g0
+        del out, ids
+        kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                         if str(getattr(e, "device_type", "")).endswith("CUDA"))
+        busy, end = 0.0, float("-inf")
+        for st, en in kernels:  # the union of the intervals (us): concurrent kernels count once
+            if en > end:
+                busy += en - max(st, end)
+                end = en
+        res["profile_generate"] = dict(profile_summary(prof.key_averages()), call=a.profile_generate,
+                                       shape=[b, p, n], seconds=secs, gpu_busy_ms=busy / 1e3, kernels=len(kernels))
+    except Exception as e:
+        note_failure(res, "--profile-generate", e)
+
+
 def profile_summary(events, top=6):
     """Sums and the top entries of torch.profiler's key_averages(): self times in ms."""
     def gpu(e):  # self_device_time_total since torch 2.4, self_cuda_time_total before
@@ -1222,6 +1285,11 @@ def fake_worker(a, res, save):
         res["profile"] = {"step": a.profile_step, "shape": list(w["train"][a.profile_step]), "seconds": 0.02,
                           "gpu_self_ms": 12.5, "cpu_self_ms": 7.25, "top_gpu": [["gemm", 6.0, 4]],
                           "top_cpu": [["aten::mm", 2.0, 4]]}
+    if a.profile_generate is not None and 0 <= a.profile_generate < len(w["generate"]):
+        res["profile_generate"] = {"call": a.profile_generate, "shape": list(w["generate"][a.profile_generate]),
+                                   "seconds": 0.5, "gpu_busy_ms": 125.0, "kernels": 4000, "gpu_self_ms": 130.0,
+                                   "cpu_self_ms": 400.0, "top_gpu": [["gemm", 60.0, 400]],
+                                   "top_cpu": [["aten::mm", 90.0, 400]]}
     if a.alloc_probe:
         res["alloc_probe_ns"] = {str(n): 1000.0 + 10 * ALLOCATORS.index(a.allocator) for n in PROBE_SIZES}
         res["alloc_probe_ns"]["churn"] = 1500.0
@@ -1275,6 +1343,8 @@ def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
            "--generate-passes", str(a.generate_passes)]
     if a.profile_step is not None:
         cmd += ["--profile-step", str(a.profile_step)]
+    if a.profile_generate is not None:
+        cmd += ["--profile-generate", str(a.profile_generate)]
     if a.alloc_probe:
         cmd.append("--alloc-probe")
     if a.cpus:
@@ -1528,6 +1598,9 @@ def parse(argv=None):
     p.add_argument("--profile-step", type=int, metavar="N", help="one more training step of shape N after the "
                    "timed ones, under torch.profiler: GPU kernel and CPU self times, and the top operations (its "
                    "optimizer step changes the weights generate() uses, in every run alike)")
+    p.add_argument("--profile-generate", type=int, metavar="N", help="generate() call N once more after the "
+                   "timed passes, under torch.profiler: the GPU's busy time (kernels) against the call's wall time, "
+                   "and the top operations")
     p.add_argument("--alloc-probe", action="store_true", help="after generate(), time allocate + free pairs "
                    "through torch.empty in each process (512 B, 64 KiB, 1 MiB, 16 MiB, and a churn of mixed "
                    "sizes): the CPU cost of one allocation through PyTorch, wrapper included")

@@ -376,6 +376,15 @@ class Driver(unittest.TestCase):
         with open(os.path.join(out, "real_models.md")) as f:
             self.assertIn("under torch.profiler", f.read())
 
+    def test_profile_generate_reaches_the_workers_and_the_report(self):
+        text, res, out = self.run_suite({}, "--models", "llama", "--allocators", "caching,vmmalloc",
+                                        "--profile-generate", "1", expect_rc=0)
+        self.assertEqual([r["profile_generate"]["call"] for r in res["runs"]], [1, 1])
+        with open(os.path.join(out, "real_models.md")) as f:
+            rows = [r for t in tables(f.read()) for r in t if r[:2] == ["llama", "vmmalloc"] and len(r) == 10]
+        self.assertEqual(len(rows), 1, rows)
+        self.assertEqual(rows[0][3:6], ["0.50", "0.125", "0.250"])  # wall, GPU busy, their ratio
+
     def test_alloc_probe_reaches_the_workers_and_the_report(self):
         text, res, out = self.run_suite({}, "--models", "bert", "--allocators", "caching,vmmalloc",
                                         "--alloc-probe", expect_rc=0)

@@ -178,8 +178,11 @@ void* pop_slot(tcache& c, tcache::bin& b, std::size_t bytes) {
   auto& e = b.e[n - 1];
   c.last = &e;
   b.n.set(n - 1);
-  e.r.state->store(e.r.word(1), std::memory_order_relaxed);
+  // The requested bytes first, then the state that makes the slot the user's (release): a stale
+  // free of this address on another thread may claim it at once (claim_slot) and must take back
+  // these bytes, not the 0 the last free left.
   e.r.req->store(static_cast<std::uint32_t>(bytes), std::memory_order_relaxed);
+  e.r.state->store(e.r.word(1), std::memory_order_release);
   c.req_delta.add(bytes);
   c.fast_allocs.add(1);
   return reinterpret_cast<void*>(e.p);

@@ -131,7 +131,9 @@ struct heap::impl {
     bool listed = false;
 
     std::uint8_t get(std::uint32_t i) const { return static_cast<std::uint8_t>(state[i].load(std::memory_order_relaxed)); }
-    void set(std::uint32_t i, std::uint8_t st) { state[i].store(tag | st, std::memory_order_relaxed); }
+    // Release: a thread whose claim (swap, acq_rel) sees the new state also sees what was written
+    // before it, the slot's requested bytes among them.
+    void set(std::uint32_t i, std::uint8_t st) { state[i].store(tag | st, std::memory_order_release); }
     // Moves slot i from `from` to `to` unless something else changed it first.
     bool swap(std::uint32_t i, std::uint8_t from, std::uint8_t to) {
       std::uint16_t e = tag | from;

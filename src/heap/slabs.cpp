@@ -129,8 +129,8 @@ result<std::uintptr_t> heap::impl::allocate_class(std::uint32_t cls, std::size_t
   std::uint32_t i = s->free.back();  // pop a free slot: the fast path
   s->free.pop_back();
   ++s->used;
+  s->set_requested(i, static_cast<std::uint32_t>(n));  // before the state: a stale free may claim the slot at once
   s->set(i, state);
-  s->set_requested(i, static_cast<std::uint32_t>(n));
   if (s->free.empty()) list_remove(heads, s);
   note_alloc(n, s->slot);
   return {s->base + std::uintptr_t{i} * s->slot, {}};

@@ -482,6 +482,46 @@ TEST_CASE("stale frees beside trim() and slab turnover read only valid metadata"
   CHECK(a.stats().live == 0);
 }
 
+TEST_CASE("a stale free racing the allocation that hands its slot out again frees the bytes that allocation asked for") {
+  // One thread allocates one size over and over, each time from the slot it freed just before
+  // (its thread cache's top); another frees that address again and again, as a program with a
+  // double free would. When the second thread's free wins the slot, it must take back the bytes
+  // the new allocation asked for, never those of none (the slot's requested bytes written after
+  // the slot became the user's): the requested sum would drift by one block for good.
+  options o;
+  o.reservation_size = GiB;
+  auto a = allocator_access::make(make_backend<host_backend>(), o, tuning{});
+  std::atomic<std::uintptr_t> addr{0};
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> stolen{0};
+  std::atomic<bool> started{false};
+  std::thread stale([&] {
+    started = true;
+    while (!stop.load(std::memory_order_relaxed))
+      if (std::uintptr_t p = addr.load(std::memory_order_relaxed))
+        if (a.try_deallocate(reinterpret_cast<void*>(p)).ok()) ++stolen;
+  });
+  while (!started) std::this_thread::yield();
+  // At least `rounds`, and on until the other thread has won 2,000 races (a loaded machine may
+  // run the two threads in turn rather than at once), for at most 20 s.
+  const int rounds = 200000 * kScale;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  int r = 0;
+  for (; r < rounds || (stolen < 2000 && std::chrono::steady_clock::now() < until); ++r) {
+    void* p = a.try_allocate(32 * KiB + (r % 2) * 8 * KiB, 0, nullptr);
+    REQUIRE(p);
+    addr.store(reinterpret_cast<std::uintptr_t>(p), std::memory_order_relaxed);
+    (void)a.try_deallocate(p);  // refused when the other thread freed it first
+  }
+  stop = true;
+  stale.join();
+  MESSAGE(stolen.load(), " of ", r, " blocks freed by the other thread");
+  CHECK(stolen > 0);
+  CHECK(a.check() == "");
+  CHECK(a.stats().live == 0);
+  CHECK(a.stats().requested == 0);
+}
+
 TEST_CASE("a thread frees the slot it handed out last after its slab was set up again 256 times") {
   // A thread keeps the reference of the slot it handed out last, to free it without the page-map
   // lookup. Here that slot is freed elsewhere, its slab is destroyed and set up again 256 times

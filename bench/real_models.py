@@ -556,6 +556,11 @@ def markdown(result):
     return "\n".join(lines)
 
 
+def top_ops(rows, n, width, fmt):
+    """The first n of profile_summary's top entries as "name time; ...", names cut to width."""
+    return "; ".join(fmt % (k.replace("|", "/")[:width], v) for k, v, _ in rows[:n]) or "-"
+
+
 def profile_table(ok):
     """--profile-step: the profiled step of every run."""
     pr = [r for r in ok if r.get("profile")]
@@ -565,7 +570,7 @@ def profile_table(ok):
                "profiler overhead included; self times summed over all operations):", "",
            "| model | allocator | step | wall ms | GPU kernels ms | CPU ms | most GPU time | most CPU time |",
            "|---|---|---|---:|---:|---:|---|---|"]
-    top = lambda rows: "; ".join("%s %.1f" % (k.replace("|", "/")[:48], v) for k, v, _ in rows[:2]) or "-"
+    top = lambda rows: top_ops(rows, 2, 48, "%s %.1f")
     for r in pr:
         p = r["profile"]
         out.append("| %s | %s | %s | %.1f | %.1f | %.1f | %s | %s |" % (
@@ -584,7 +589,7 @@ def profile_generate_table(ok):
                "time the GPU waited for the CPU:", "",
            "| model | allocator | call | wall s | GPU busy s | GPU busy / wall | kernels | GPU kernels s | CPU self s | most CPU time |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    top = lambda rows: "; ".join("%s %.0f" % (k.replace("|", "/")[:40], v) for k, v, _ in rows[:3]) or "-"
+    top = lambda rows: top_ops(rows, 3, 40, "%s %.0f")
     for r in pr:
         p = r["profile_generate"]
         out.append("| %s | %s | %s | %.2f | %.3f | %.3f | %s | %.3f | %.2f | %s |" % (
@@ -1035,15 +1040,12 @@ def run_workload(a, res, save, torch, transformers, t0):
             # make the same tokens.
             passes = []
             for npass in range(a.generate_passes):
-                gg = torch.Generator().manual_seed(SEED + 2)
                 tg = time.perf_counter()
-                for i, (b, p, n) in enumerate(spec["generate"]):
-                    ids = torch.randint(5, vocab, (b, p), generator=gg).to(dev)
+                for i, ((b, p, n), ids) in enumerate(zip(spec["generate"], generate_inputs(torch, spec, vocab))):
+                    ids = ids.to(dev)
                     d0 = driver_ns() if driver_ns else None
                     g0 = time.perf_counter()
-                    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                             min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
+                    out = greedy_generate(torch, model, ids, n)
                     torch.cuda.synchronize()
                     secs = time.perf_counter() - g0
                     # An encoder-decoder returns the decoder's start token and the new ones.
@@ -1195,6 +1197,20 @@ def profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev
         note_failure(res, "--profile-step", e)
 
 
+def generate_inputs(torch, spec, vocab):
+    """The input ids of the model's generate() calls, on the CPU: the same in every pass and run."""
+    g = torch.Generator().manual_seed(SEED + 2)
+    for b, p, _ in spec["generate"]:
+        yield torch.randint(5, vocab, (b, p), generator=g)
+
+
+def greedy_generate(torch, model, ids, n):
+    """One greedy generate() call of exactly n new tokens, in bf16 autocast."""
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
+
+
 def profile_generate(torch, a, res, spec, model, vocab, dev):
     """--profile-generate N: generate() call N once more after the timed passes (not in their
     times), under torch.profiler: how long the GPU ran kernels (their intervals' union) against
@@ -1207,16 +1223,11 @@ def profile_generate(torch, a, res, spec, model, vocab, dev):
     b, p, n = calls[a.profile_generate]
     try:
         from torch.profiler import ProfilerActivity, profile
-        gg = torch.Generator().manual_seed(SEED + 2)
-        for i in range(a.profile_generate + 1):  # the same input ids as in the timed passes
-            ids = torch.randint(5, vocab, tuple(calls[i][:2]), generator=gg)
-        ids = ids.to(dev)
+        ids = list(generate_inputs(torch, spec, vocab))[a.profile_generate].to(dev)  # as in the timed passes
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             g0 = time.perf_counter()
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                     min_new_tokens=n, do_sample=False, use_cache=True, pad_token_id=0)
+            out = greedy_generate(torch, model, ids, n)
             torch.cuda.synchronize()
             secs = time.perf_counter() - g0
         del out, ids

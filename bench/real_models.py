@@ -502,6 +502,7 @@ def markdown(result):
     lines += profile_table(ok)
     lines += profile_generate_table(ok)
     lines += probe_table(ok)
+    lines += usage_table(ok)
     if ok:
         lines += ["", "Peak held by phase (GiB; peaks reset at each phase's start) and device memory in use "
                       "(cudaMemGetInfo above the process's start, the most seen after any step):", "",
@@ -609,14 +610,35 @@ def probe_table(ok):
     head = [size_label(int(n)) if n != "churn" else "churn (mixed sizes)" for n in sizes]
     out = ["", "Allocate + free through torch.empty in each process after its runs (--alloc-probe; ns per pair, "
                "best of 5 x 20,000, Python's loop included), and allocations per training step (median):", "",
-           "| model | allocator | " + " | ".join(head) + " | allocations per step |",
-           "|---|---|" + "---:|" * (len(sizes) + 1)]
+           "| model | allocator | " + " | ".join(head) + " | allocations per step | launch, start | launch, end |",
+           "|---|---|" + "---:|" * (len(sizes) + 3)]
     for r in pr:
         p = r["alloc_probe_ns"]
         n = r.get("median_step_allocations")
-        out.append("| %s | %s | %s | %s |" % (r["model"], run_label(r, LABEL),
+        lp = r.get("launch_probe_ns", {})
+        out.append("| %s | %s | %s | %s | %s |" % (r["model"], run_label(r, LABEL),
                    " | ".join("%.0f" % p[k] if p.get(k) is not None else "-" for k in sizes),
-                   "{:,.0f}".format(n) if n is not None else "-"))
+                   "{:,.0f}".format(n) if n is not None else "-",
+                   " | ".join("%.0f" % lp[k] if lp.get(k) is not None else "-" for k in ("start", "end"))))
+    out += ["", "Launch: ns per in-place add on a tensor made beforehand (no allocation; best of 5 x 20,000, "
+                "Python's loop included), after the model's init (start) and after the probe above (end)."]
+    return out
+
+
+def usage_table(ok):
+    """The process's CPU time, context switches and minor faults in each generate() pass."""
+    ur = [r for r in ok if r.get("generate_passes_usage")]
+    if not ur:
+        return []
+    out = ["", "The process in each generate() pass (getrusage: every thread of the process; involuntary "
+               "switches: the kernel gave a CPU to another thread):", "",
+           "| model | allocator | pass | wall s | user s | system s | voluntary switches | involuntary switches | "
+           "minor faults |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in ur:
+        for i, (t, u) in enumerate(zip(r["generate_passes_s"], r["generate_passes_usage"])):
+            out.append("| %s | %s | %d | %.2f | %.2f | %.2f | %s | %s | %s |" % (
+                r["model"], run_label(r, LABEL), i + 1, t, u["user_s"], u["sys_s"], "{:,}".format(u["voluntary"]),
+                "{:,}".format(u["involuntary"]), "{:,}".format(u["minor_faults"])))
     return out
 
 
@@ -982,6 +1004,8 @@ def run_workload(a, res, save, torch, transformers, t0):
         torch.cuda.synchronize()
         res["init_s"] = time.perf_counter() - ti
         sample("init", "init")
+        if a.alloc_probe:
+            launch_probe(torch, res, dev, "start")
 
         # ---- train
         probe.reset()
@@ -1038,8 +1062,9 @@ def run_workload(a, res, save, torch, transformers, t0):
             # repeat the same calls warm (one allocator's generate times moved by up to 46 % between
             # processes). generate_s is the last pass, generate_first_s the first; every pass must
             # make the same tokens.
-            passes = []
+            passes, pass_usage = [], []
             for npass in range(a.generate_passes):
+                u0 = process_usage()
                 tg = time.perf_counter()
                 for i, ((b, p, n), ids) in enumerate(zip(spec["generate"], generate_inputs(torch, spec, vocab))):
                     ids = ids.to(dev)
@@ -1067,14 +1092,17 @@ def run_workload(a, res, save, torch, transformers, t0):
                     del out, ids
                     sample("generate", step_label("generate", i, (b, p, n)))
                 passes.append(time.perf_counter() - tg)
+                pass_usage.append(usage_delta(u0, process_usage()))
             if a.profile_generate is not None:
                 profile_generate(torch, a, res, spec, model, vocab, dev)
             res["generate_passes_s"] = passes
+            res["generate_passes_usage"] = pass_usage
             res["generate_first_s"] = passes[0]
             res["generate_s"] = passes[-1]
         res["generate"] = gens
         if a.alloc_probe:
             alloc_probe(torch, res, dev)
+            launch_probe(torch, res, dev, "end")
     res["determinism_warnings"] = sorted({str(w.message).split("\n")[0][:200] for w in caught
                                           if "determinis" in str(w.message)})
 
@@ -1153,6 +1181,44 @@ def alloc_probe(torch, res, dev, pairs=20000, repeats=5):
         res["alloc_probe_ns"] = out
     except Exception as e:
         note_failure(res, "--alloc-probe", e)
+
+
+def launch_probe(torch, res, dev, when, launches=20000, repeats=5):
+    """--alloc-probe: what one kernel launch costs the CPU in this process with no allocation in it
+    (an in-place add on a tensor made beforehand; the stream synchronized after each repeat), at
+    the start (after the model's init) and the end (after generate()): a difference between the
+    allocators' processes here is the process's or the machine's, not an allocation's. Best of
+    `repeats`, ns per launch, Python's loop included."""
+    try:
+        x = torch.zeros(1024, device=dev)
+        for _ in range(launches // 10):
+            x.add_(1)
+        torch.cuda.synchronize()
+        best = None
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            for _ in range(launches):
+                x.add_(1)
+            torch.cuda.synchronize()
+            ns = (time.perf_counter_ns() - t0) / launches
+            best = ns if best is None or ns < best else best
+        del x
+        res.setdefault("launch_probe_ns", {})[when] = best
+    except Exception as e:
+        note_failure(res, "--alloc-probe launches", e)
+
+
+def process_usage():
+    """This process's CPU time (user, system), context switches (voluntary: it waited, e.g. on the
+    GPU; involuntary: the kernel gave its CPU to another thread) and minor page faults so far."""
+    import resource
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user_s": u.ru_utime, "sys_s": u.ru_stime, "voluntary": u.ru_nvcsw, "involuntary": u.ru_nivcsw,
+            "minor_faults": u.ru_minflt}
+
+
+def usage_delta(a, b):
+    return {k: b[k] - a[k] for k in a}
 
 
 def note_failure(res, what, e):
@@ -1305,9 +1371,12 @@ def fake_worker(a, res, save):
         res["alloc_probe_ns"] = {str(n): 1000.0 + 10 * ALLOCATORS.index(a.allocator) for n in PROBE_SIZES}
         res["alloc_probe_ns"]["churn"] = 1500.0
         res["median_step_allocations"] = 1234
+        res["launch_probe_ns"] = {"start": 4000.0, "end": 4100.0 + ALLOCATORS.index(a.allocator)}
     if a.generate_passes > 1 and w["generate"]:
         res["generate_first_s"] = 0.02 * len(w["generate"])
         res["generate_passes_s"] = [res["generate_first_s"]] + [res["generate_s"]] * (a.generate_passes - 1)
+        res["generate_passes_usage"] = [{"user_s": 0.5 * t, "sys_s": 0.1 * t, "voluntary": 30, "involuntary": 7,
+                                         "minor_faults": 1000} for t in res["generate_passes_s"]]
     if a.allocator == "vmmalloc":
         res["vmm_at_peak"] = {"at": "train 0 (1x1)", "peak_physical": base, "requested": base, "mapped": base}
         res["vmm_stats_end"] = {"malloc_failures": 0, "free_failures": 0}

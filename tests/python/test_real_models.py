@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -242,10 +243,60 @@ class Pure(unittest.TestCase):
 
         run = run_entry("moe", "vmmalloc", [1.0], round=2, median_step_allocations=20560,
                         alloc_probe_ns={"512": 1500.4, "65536": 1510, "1048576": 1600, "16777216": 1700, "churn": 2100})
+        run["launch_probe_ns"] = {"start": 3950.4, "end": 4210.6}
         t = tables("\n".join(rm.probe_table([run, run_entry("moe", "caching", [1.0])])))
         self.assertEqual(t[0][0][2:7], ["512 B", "64 KiB", "1 MiB", "16 MiB", "churn (mixed sizes)"])
-        self.assertEqual(t[0][1:], [["moe", "vmmalloc #2", "1500", "1510", "1600", "1700", "2100", "20,560"]])
+        self.assertEqual(t[0][1:], [["moe", "vmmalloc #2", "1500", "1510", "1600", "1700", "2100", "20,560",
+                                     "3950", "4211"]])
         self.assertEqual(rm.probe_table([run_entry("moe", "vmmalloc", [1.0])]), [])
+
+    def test_launch_probe(self):
+        adds = []
+
+        class FakeTorch:
+            class cuda:
+                synchronize = staticmethod(lambda: None)
+
+            @staticmethod
+            def zeros(n, device=None):
+                class T:
+                    def add_(self, v):
+                        adds.append(v)
+                return T()
+        res = {"notes": []}
+        rm.launch_probe(FakeTorch, res, "cuda:0", "start", launches=100, repeats=3)
+        rm.launch_probe(FakeTorch, res, "cuda:0", "end", launches=100, repeats=3)
+        self.assertEqual(res["notes"], [])
+        self.assertEqual(sorted(res["launch_probe_ns"]), ["end", "start"])
+        self.assertTrue(all(v > 0 for v in res["launch_probe_ns"].values()))
+        self.assertEqual(len(adds), 2 * (10 + 3 * 100))  # warm-up + the timed repeats, twice
+
+        class Broken(FakeTorch):
+            @staticmethod
+            def zeros(n, device=None):
+                raise RuntimeError("CUDA error: launch failure")
+        res = {"notes": []}
+        rm.launch_probe(Broken, res, "cuda:0", "end")
+        self.assertNotIn("launch_probe_ns", res)
+        self.assertEqual(res["notes"], ["--alloc-probe launches: RuntimeError: CUDA error: launch failure"])
+
+    def test_process_usage_counts_this_process(self):
+        u0 = rm.process_usage()
+        t0 = time.process_time()
+        while time.process_time() - t0 < 0.05:
+            pass
+        d = rm.usage_delta(u0, rm.process_usage())
+        self.assertEqual(sorted(d), ["involuntary", "minor_faults", "sys_s", "user_s", "voluntary"])
+        self.assertGreater(d["user_s"] + d["sys_s"], 0.03)
+        run = run_entry("t5", "vmmalloc", [1.0], generate_passes_s=[20.5, 18.25],
+                        generate_passes_usage=[{"user_s": 19.0, "sys_s": 1.5, "voluntary": 1200, "involuntary": 35,
+                                                "minor_faults": 4000},
+                                               {"user_s": 17.0, "sys_s": 1.0, "voluntary": 1100, "involuntary": 20,
+                                                "minor_faults": 10}])
+        t = tables("\n".join(rm.usage_table([run, run_entry("t5", "expandable", [1.0])])))
+        self.assertEqual(t[0][1:], [["t5", "vmmalloc", "1", "20.50", "19.00", "1.50", "1,200", "35", "4,000"],
+                                    ["t5", "vmmalloc", "2", "18.25", "17.00", "1.00", "1,100", "20", "10"]])
+        self.assertEqual(rm.usage_table([run_entry("t5", "vmmalloc", [1.0])]), [])
 
     def test_workloads(self):
         for name, m in rm.MODELS.items():
@@ -332,7 +383,10 @@ class Driver(unittest.TestCase):
         llama = next(r for r in res["runs"] if r["model"] == "llama" and r["allocator"] == "vmmalloc")
         self.assertEqual(len(llama["generate_passes_s"]), 2)  # --generate-passes reaches the workers
         with open(os.path.join(out, "real_models.md")) as f:
-            self.assertIn("| 0.02 (0.04) |", f.read())  # the last pass, the first in brackets
+            md = f.read()
+        self.assertIn("| 0.02 (0.04) |", md)  # the last pass, the first in brackets
+        usage = [r for t in tables(md) for r in t if r[:2] == ["llama", "vmmalloc"] and len(r) == 9]
+        self.assertEqual([r[2:4] for r in usage], [["1", "0.04"], ["2", "0.02"]])  # each pass's resources
 
     def test_failures_hangs_and_mismatches_are_reported_and_the_rest_runs(self):
         fake = {"fail": ["bert/expandable"], "hang": ["moe/async"], "loss": {"llama/async": 1.0},
@@ -390,8 +444,8 @@ class Driver(unittest.TestCase):
                                         "--alloc-probe", expect_rc=0)
         self.assertEqual([r["alloc_probe_ns"]["churn"] for r in res["runs"]], [1500.0, 1500.0])
         with open(os.path.join(out, "real_models.md")) as f:
-            rows = [r for t in tables(f.read()) for r in t if r[:2] == ["bert", "vmmalloc"] and len(r) == 8]
-        self.assertEqual(rows, [["bert", "vmmalloc", "1030", "1030", "1030", "1030", "1500", "1,234"]])
+            rows = [r for t in tables(f.read()) for r in t if r[:2] == ["bert", "vmmalloc"] and len(r) == 10]
+        self.assertEqual(rows, [["bert", "vmmalloc", "1030", "1030", "1030", "1030", "1500", "1,234", "4000", "4103"]])
 
     def test_cpus_pin_every_worker(self):
         cpu = min(os.sched_getaffinity(0))

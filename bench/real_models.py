@@ -610,18 +610,21 @@ def probe_table(ok):
     head = [size_label(int(n)) if n != "churn" else "churn (mixed sizes)" for n in sizes]
     out = ["", "Allocate + free through torch.empty in each process after its runs (--alloc-probe; ns per pair, "
                "best of 5 x 20,000, Python's loop included), and allocations per training step (median):", "",
-           "| model | allocator | " + " | ".join(head) + " | allocations per step | launch, start | launch, end |",
-           "|---|---|" + "---:|" * (len(sizes) + 3)]
+           "| model | allocator | " + " | ".join(head) + " | allocations per step | launch, start | launch, end "
+           "| launch + allocation, start | launch + allocation, end |",
+           "|---|---|" + "---:|" * (len(sizes) + 5)]
     for r in pr:
         p = r["alloc_probe_ns"]
         n = r.get("median_step_allocations")
-        lp = r.get("launch_probe_ns", {})
+        lp = [r.get("launch_probe_ns", {}).get(w) for w in ("start", "end")]
+        lp += [r.get("launch_alloc_probe_ns", {}).get(w) for w in ("start", "end")]
         out.append("| %s | %s | %s | %s | %s |" % (r["model"], run_label(r, LABEL),
                    " | ".join("%.0f" % p[k] if p.get(k) is not None else "-" for k in sizes),
                    "{:,.0f}".format(n) if n is not None else "-",
-                   " | ".join("%.0f" % lp[k] if lp.get(k) is not None else "-" for k in ("start", "end"))))
-    out += ["", "Launch: ns per in-place add on a tensor made beforehand (no allocation; best of 5 x 20,000, "
-                "Python's loop included), after the model's init (start) and after the probe above (end)."]
+                   " | ".join("%.0f" % v if v is not None else "-" for v in lp)))
+    out += ["", "Launch: ns per in-place add on a tensor made beforehand (no allocation); launch + allocation: "
+                "ns per out-of-place add (its result allocated, the previous one freed). Best of 5 x 20,000, "
+                "Python's loop included, after the model's init (start) and after the probe above (end)."]
     return out
 
 
@@ -1184,26 +1187,37 @@ def alloc_probe(torch, res, dev, pairs=20000, repeats=5):
 
 
 def launch_probe(torch, res, dev, when, launches=20000, repeats=5):
-    """--alloc-probe: what one kernel launch costs the CPU in this process with no allocation in it
-    (an in-place add on a tensor made beforehand; the stream synchronized after each repeat), at
-    the start (after the model's init) and the end (after generate()): a difference between the
-    allocators' processes here is the process's or the machine's, not an allocation's. Best of
-    `repeats`, ns per launch, Python's loop included."""
+    """--alloc-probe: what one kernel launch costs the CPU in this process, at the start (after the
+    model's init) and the end (after generate()): an in-place add on a tensor made beforehand (no
+    allocation: a difference between the allocators' processes here is the process's or the
+    machine's), and an out-of-place add (one launch, one allocation and one free, as most
+    operations make them). Best of `repeats` (every repeat kept), ns per launch, the stream
+    synchronized after each repeat, Python's loop included."""
     try:
         x = torch.zeros(1024, device=dev)
-        for _ in range(launches // 10):
-            x.add_(1)
-        torch.cuda.synchronize()
-        best = None
-        for _ in range(repeats):
-            t0 = time.perf_counter_ns()
-            for _ in range(launches):
+
+        def inplace(k):
+            for _ in range(k):
                 x.add_(1)
+
+        def outofplace(k):
+            y = x
+            for _ in range(k):
+                y = x + 1
+            del y
+
+        for key, body in (("launch_probe_ns", inplace), ("launch_alloc_probe_ns", outofplace)):
+            body(launches // 10)
             torch.cuda.synchronize()
-            ns = (time.perf_counter_ns() - t0) / launches
-            best = ns if best is None or ns < best else best
+            runs = []
+            for _ in range(repeats):
+                t0 = time.perf_counter_ns()
+                body(launches)
+                torch.cuda.synchronize()
+                runs.append((time.perf_counter_ns() - t0) / launches)
+            res.setdefault(key, {})[when] = min(runs)
+            res.setdefault(key.replace("_ns", "_runs_ns"), {})[when] = runs
         del x
-        res.setdefault("launch_probe_ns", {})[when] = best
     except Exception as e:
         note_failure(res, "--alloc-probe launches", e)
 
@@ -1372,6 +1386,7 @@ def fake_worker(a, res, save):
         res["alloc_probe_ns"]["churn"] = 1500.0
         res["median_step_allocations"] = 1234
         res["launch_probe_ns"] = {"start": 4000.0, "end": 4100.0 + ALLOCATORS.index(a.allocator)}
+        res["launch_alloc_probe_ns"] = {"start": 5000.0, "end": 5200.0 + ALLOCATORS.index(a.allocator)}
     if a.generate_passes > 1 and w["generate"]:
         res["generate_first_s"] = 0.02 * len(w["generate"])
         res["generate_passes_s"] = [res["generate_first_s"]] + [res["generate_s"]] * (a.generate_passes - 1)

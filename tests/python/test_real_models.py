@@ -244,14 +244,23 @@ class Pure(unittest.TestCase):
         run = run_entry("moe", "vmmalloc", [1.0], round=2, median_step_allocations=20560,
                         alloc_probe_ns={"512": 1500.4, "65536": 1510, "1048576": 1600, "16777216": 1700, "churn": 2100})
         run["launch_probe_ns"] = {"start": 3950.4, "end": 4210.6}
+        run["launch_alloc_probe_ns"] = {"start": 5100, "end": 5350}
         t = tables("\n".join(rm.probe_table([run, run_entry("moe", "caching", [1.0])])))
         self.assertEqual(t[0][0][2:7], ["512 B", "64 KiB", "1 MiB", "16 MiB", "churn (mixed sizes)"])
         self.assertEqual(t[0][1:], [["moe", "vmmalloc #2", "1500", "1510", "1600", "1700", "2100", "20,560",
-                                     "3950", "4211"]])
+                                     "3950", "4211", "5100", "5350"]])
         self.assertEqual(rm.probe_table([run_entry("moe", "vmmalloc", [1.0])]), [])
 
     def test_launch_probe(self):
-        adds = []
+        made = []
+
+        class T:
+            def add_(self, v):
+                made.append("inplace")
+
+            def __add__(self, v):
+                made.append("new")
+                return T()
 
         class FakeTorch:
             class cuda:
@@ -259,17 +268,19 @@ class Pure(unittest.TestCase):
 
             @staticmethod
             def zeros(n, device=None):
-                class T:
-                    def add_(self, v):
-                        adds.append(v)
                 return T()
         res = {"notes": []}
         rm.launch_probe(FakeTorch, res, "cuda:0", "start", launches=100, repeats=3)
         rm.launch_probe(FakeTorch, res, "cuda:0", "end", launches=100, repeats=3)
         self.assertEqual(res["notes"], [])
-        self.assertEqual(sorted(res["launch_probe_ns"]), ["end", "start"])
-        self.assertTrue(all(v > 0 for v in res["launch_probe_ns"].values()))
-        self.assertEqual(len(adds), 2 * (10 + 3 * 100))  # warm-up + the timed repeats, twice
+        for key in ("launch_probe_ns", "launch_alloc_probe_ns"):
+            self.assertEqual(sorted(res[key]), ["end", "start"])
+            runs = res[key.replace("_ns", "_runs_ns")]
+            self.assertEqual([len(runs[w]) for w in ("start", "end")], [3, 3])
+            self.assertEqual([res[key][w] for w in ("start", "end")], [min(runs["start"]), min(runs["end"])])
+            self.assertTrue(all(v > 0 for v in res[key].values()))
+        # warm-up + the timed repeats, of each kind, twice
+        self.assertEqual((made.count("inplace"), made.count("new")), (2 * (10 + 300), 2 * (10 + 300)))
 
         class Broken(FakeTorch):
             @staticmethod
@@ -444,8 +455,9 @@ class Driver(unittest.TestCase):
                                         "--alloc-probe", expect_rc=0)
         self.assertEqual([r["alloc_probe_ns"]["churn"] for r in res["runs"]], [1500.0, 1500.0])
         with open(os.path.join(out, "real_models.md")) as f:
-            rows = [r for t in tables(f.read()) for r in t if r[:2] == ["bert", "vmmalloc"] and len(r) == 10]
-        self.assertEqual(rows, [["bert", "vmmalloc", "1030", "1030", "1030", "1030", "1500", "1,234", "4000", "4103"]])
+            rows = [r for t in tables(f.read()) for r in t if r[:2] == ["bert", "vmmalloc"] and r[-4:-2] == ["4000", "4103"]]
+        self.assertEqual(rows, [["bert", "vmmalloc", "1030", "1030", "1030", "1030", "1500", "1,234", "4000", "4103",
+                                 "5000", "5203"]])
 
     def test_cpus_pin_every_worker(self):
         cpu = min(os.sched_getaffinity(0))

@@ -131,6 +131,7 @@ class vmmalloc_peer final : public peer {
       m.mapped = s.physical;  // same measure as report()'s peak_physical
       m.reserved = s.reserved;
       m.requested = s.requested;
+      m.driver_calls = s.calls.total();
       // Walks the free lists: only at a new high of physical bytes (a few hundred times a trace).
       if (s.physical > at_peak_.physical) at_peak_ = {s.physical, s.allocated, s.idle, s.free_chunk_bytes, a_.span_free()};
     } catch (const std::exception& e) {
@@ -415,7 +416,7 @@ class cuda_malloc_peer final : public peer {
   bool synchronize() noexcept override { return VMM_CUDA_OK(cudaDeviceSynchronize()); }
   bool wants_samples() const override { return true; }
   void sample() noexcept override { usage_.sample(); }
-  memory_now current() noexcept override { return {usage_.now(), std::nullopt, std::nullopt}; }
+  memory_now current() noexcept override { return {usage_.now(), std::nullopt, std::nullopt, std::nullopt}; }
   void reset_peaks() noexcept override { usage_.start(); }
   memory_report report() override {
     memory_report r;

@@ -43,6 +43,7 @@ struct memory_now {
   std::optional<std::uint64_t> mapped;     // physical bytes held (memory_report::peak_mapped's measure)
   std::optional<std::uint64_t> reserved;   // virtual address space held
   std::optional<std::uint64_t> requested;  // requested bytes live as the allocator counts them
+  std::optional<std::uint64_t> driver_calls;  // memory_report::driver_calls so far
 };
 
 class peer {

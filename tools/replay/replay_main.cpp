@@ -3,7 +3,8 @@
 // each, ns per event and how much memory it held against what was live.
 //
 //   vmm-replay TRACE [--backend host|cuda] [--allocators LIST] [--json FILE] [--check-every N]
-//                    [--warm] [--device N] [--samples N] [--threads recorded|one] [--lag N]
+//                    [--warm] [--device N] [--samples N] [--bound] [--hot N]
+//                    [--threads recorded|one] [--lag N]
 //                    [--option NAME=VALUE ...] (--help: every option)
 //
 // Method (same for every allocator):
@@ -30,6 +31,8 @@
 //    is the least any allocator mapping whole pages could hold with the same placement. Reported
 //    beside that pass's own peak mapped: touched / live is placement waste, mapped / touched is
 //    memory kept mapped beyond the touched pages (reclaim waste).
+//  * --hot N: that untimed pass also lists the N events whose call made the most driver calls
+//    (vmmalloc's stats before and after each event): which requests grow or move memory.
 //  * Threads (v2 traces): one replay thread per recorded thread, event i only after event i-1 has
 //    returned (replay_pass.hpp); --threads one replays on one thread. The hand-offs are harness
 //    cost: the null allocator pays them too, so "net of null" removes them.
@@ -78,6 +81,7 @@ struct cli {
   int device = 0;
   std::uint64_t samples = 0;  // 0: no timeline
   bool bound = false;         // the pages-touched bound (from the untimed pass, as --samples)
+  std::uint64_t hot = 0;      // the events that made the most driver calls (untimed pass); 0: none
   std::string threads = "recorded";  // recorded: one replay thread per recorded thread; one
   std::uint64_t lag = 0;             // events the streams run behind the CPU; 0: none
   std::vector<std::string> option_texts;  // --option NAME=VALUE, as given
@@ -120,6 +124,10 @@ cli parse_cli(int argc, char** argv) {
   app.add_flag("--bound", c.bound,
                "add the pages-touched bound: the peak of 2 MiB pages holding a live byte, beside the peak mapped "
                "of the same untimed pass (placement waste vs reclaim waste); also with --samples");
+  app.add_option("--hot", c.hot,
+                 "list the N events whose call made the most driver calls (vmmalloc; from the untimed pass, as "
+                 "--bound): where growth and moves go")
+      ->type_name("N");
   app.add_option("--threads", c.threads,
                  "recorded (default): one replay thread per thread of a v2 trace, each event after the previous one "
                  "has returned; one: every event on one thread")
@@ -169,11 +177,16 @@ std::string mib(std::optional<std::uint64_t> b) { return b ? vmm::replay::mib(do
 // differ), and cuts the per-event values down to a timeline. Series the peer cannot observe at
 // every event are left out (reported in `note`), never filled in. Same threads and lag as the
 // timed pass (opts), so the timeline shows what that pass did.
+// hot (--hot): the events whose call made driver calls, as (calls, event), most calls first, at
+// most `keep` of them; left empty (nullopt) when the peer does not count its calls.
 pass_result sample_pass(peer& a, const trace& t, const std::vector<void*>& streams, std::vector<void*>& ptr,
                         std::size_t max_samples, pass_opts o, timeline& out, touched_pages& touched,
-                        std::string& note) {
+                        std::string& note, std::size_t keep,
+                        std::optional<std::vector<std::pair<std::uint64_t, std::size_t>>>& hot) {
   std::vector<std::uint64_t> mapped, reserved;
   bool has_mapped = true, has_reserved = true;
+  std::optional<std::uint64_t> calls = keep ? a.current().driver_calls : std::nullopt;
+  std::vector<std::pair<std::uint64_t, std::size_t>> made;
   o.check_every = 0;
   o.sample = false;
   o.after_event = [&](std::size_t i) -> std::string {
@@ -196,12 +209,23 @@ pass_result sample_pass(peer& a, const trace& t, const std::vector<void*>& strea
     if (has_reserved && !m.reserved) drop(has_reserved, reserved, "reserved");
     if (has_mapped) mapped.push_back(*m.mapped);
     if (has_reserved) reserved.push_back(*m.reserved);
+    if (calls) {
+      if (!m.driver_calls) return "driver calls not observable after event " + std::to_string(i) + ": " + peer::error();
+      if (*m.driver_calls > *calls) made.emplace_back(*m.driver_calls - *calls, i);
+      calls = m.driver_calls;
+    }
     return {};
   };
   auto t0 = clk::now();
   pass_result r = run_pass(a, t, streams, ptr, o);
   r.seconds = std::chrono::duration<double>(clk::now() - t0).count();  // the whole (untimed) pass
   if (!r.exit_code) out = make_timeline(t.live_after, mapped, reserved, max_samples);
+  if (calls) {  // most calls first; among equals the earlier event
+    std::sort(made.begin(), made.end(),
+              [](auto& x, auto& y) { return x.first != y.first ? x.first > y.first : x.second < y.second; });
+    if (made.size() > keep) made.resize(keep);
+    hot = std::move(made);
+  }
   return r;
 }
 
@@ -247,6 +271,7 @@ struct row {
   std::vector<std::pair<std::string, double>> at_peak;  // --samples: the peer at the mapped peak
   std::optional<std::uint64_t> touched_bytes;      // --bound / --samples: peak pages touched x page
   std::optional<std::uint64_t> pass_mapped_bytes;  // the same untimed pass's peak mapped
+  std::optional<std::vector<std::pair<std::uint64_t, std::size_t>>> hot;  // --hot: (driver calls, event)
   double sample_seconds = 0;
   std::size_t threads = 1;
   std::uint64_t handoffs = 0;
@@ -337,6 +362,12 @@ bool write_json(const std::string& path, const std::vector<row>& rows, const tra
                                      ? ojson(double(*r.pass_mapped_bytes) / double(*r.touched_bytes))
                                      : ojson(nullptr);
     }
+    if (c.hot) {  // null: the allocator does not count its driver calls
+      ojson h = r.hot ? ojson::array() : ojson(nullptr);
+      if (r.hot)
+        for (auto& [n, i] : *r.hot) h.push_back({{"event", i}, {"line", t.lines[i]}, {"driver_calls", n}});
+      o["hot_events"] = h;
+    }
     if (r.tl) o["timeline"] = timeline_json(*r.tl, r, c);
     // Paths and driver messages are not guaranteed UTF-8: replace invalid bytes rather than throw.
     f << "  " << o.dump(-1, ' ', false, ojson::error_handler_t::replace) << (k + 1 < rows.size() ? "," : "") << "\n";
@@ -376,6 +407,14 @@ void print_table(const std::vector<row>& rows, const trace& t) {
       std::printf("| %s | %s | %s | %s | %s | %s |\n", r.name.c_str(), mib(double(t.peak_live_bytes)).c_str(),
                   mib(double(*r.touched_bytes)).c_str(), mib(r.pass_mapped_bytes).c_str(), tl, mt);
     }
+    std::printf("\n");
+  }
+  for (auto& r : rows) {
+    if (!r.hot || r.hot->empty()) continue;
+    std::printf("%s: the events that made the most driver calls (untimed pass):\n\n", r.name.c_str());
+    std::printf("| event | driver calls | live after it | line in the trace |\n|---:|---:|---:|---|\n");
+    for (auto& [n, i] : *r.hot)
+      std::printf("| %zu | %" PRIu64 " | %s | %s |\n", i, n, mib(double(t.live_after[i])).c_str(), event_text(t, i).c_str());
     std::printf("\n");
   }
   for (auto& r : rows) {
@@ -612,7 +651,7 @@ int main(int argc, char** argv) {
     lag.reset();
     (void)a->release_cached();  // the next allocator starts with the memory given back
 
-    if (c.samples || c.bound) {
+    if (c.samples || c.bound || c.hot) {
       // A fresh instance, so the sampled pass starts as the timed one did (cold, or after the
       // same untimed warm-up); the timed instance goes first so the two never coexist.
       a.reset();
@@ -647,7 +686,8 @@ int main(int argc, char** argv) {
       const std::string label = name + " (sampling)";
       so.label = label.c_str();
       touched_pages touched(std::uint64_t{2} << 20);
-      pass_result sr = sample_pass(*b, t, *streams, ptr, c.samples ? c.samples : 1, so, tl, touched, note);
+      pass_result sr = sample_pass(*b, t, *streams, ptr, c.samples ? c.samples : 1, so, tl, touched, note, c.hot,
+                                   rows.back().hot);
       if (sr.exit_code) {
         std::fprintf(stderr, "vmm-replay: %s (sampling pass): %s\n", name.c_str(), sr.failure.c_str());
         rc = sr.exit_code;

@@ -1150,14 +1150,7 @@ def alloc_probe(torch, res, dev, pairs=20000, repeats=5):
     churn of mixed sizes that frees the oldest of 32 live tensors. Best of `repeats`, ns per
     allocate + free pair, Python's loop included (the same in every process)."""
     def timed(body):
-        body(pairs // 10)  # warm: caches filled, memory mapped
-        best = None
-        for _ in range(repeats):
-            t0 = time.perf_counter_ns()
-            body(pairs)
-            ns = (time.perf_counter_ns() - t0) / pairs
-            best = ns if best is None or ns < best else best
-        return best
+        return min(timed_runs(body, pairs, repeats))
 
     def fixed(n):
         def body(k):
@@ -1186,6 +1179,20 @@ def alloc_probe(torch, res, dev, pairs=20000, repeats=5):
         note_failure(res, "--alloc-probe", e)
 
 
+def timed_runs(body, n, repeats, sync=lambda: None):
+    """body(n // 10) once to warm (caches filled, memory mapped), then `repeats` timed body(n): ns
+    per unit of each, sync() ending the warm-up and each timed run."""
+    body(n // 10)
+    sync()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        body(n)
+        sync()
+        runs.append((time.perf_counter_ns() - t0) / n)
+    return runs
+
+
 def launch_probe(torch, res, dev, when, launches=20000, repeats=5):
     """--alloc-probe: what one kernel launch costs the CPU in this process, at the start (after the
     model's init) and the end (after generate()): an in-place add on a tensor made beforehand (no
@@ -1207,14 +1214,7 @@ def launch_probe(torch, res, dev, when, launches=20000, repeats=5):
             del y
 
         for key, body in (("launch_probe_ns", inplace), ("launch_alloc_probe_ns", outofplace)):
-            body(launches // 10)
-            torch.cuda.synchronize()
-            runs = []
-            for _ in range(repeats):
-                t0 = time.perf_counter_ns()
-                body(launches)
-                torch.cuda.synchronize()
-                runs.append((time.perf_counter_ns() - t0) / launches)
+            runs = timed_runs(body, launches, repeats, torch.cuda.synchronize)
             res.setdefault(key, {})[when] = min(runs)
             res.setdefault(key.replace("_ns", "_runs_ns"), {})[when] = runs
         del x

@@ -96,7 +96,7 @@ VMM_CONFORMANCE_INVOKE(host_traits)
 
 // ---- backend: the driver's rules, enforced by the host backend ----
 
-TEST_CASE("host backend: map only inside a reservation, unmap exactly what was mapped") {
+TEST_CASE("host backend: map only inside a reservation, unmap whole mappings") {
   auto log = std::make_shared<vmm::test::violation_log>();
   vmm::host_backend b(vmm::test::recording(log));
   vmm::chunk_props props;
@@ -115,7 +115,7 @@ TEST_CASE("host backend: map only inside a reservation, unmap exactly what was m
   refused(b.map(r.value + 2 * G2, G2, h.value, 0), "cuMemMap", "over VA that is mapped");
   refused(b.map(r.value + 100, G2, h.value, 0), "cuMemMap", "off the granularity");
   refused(b.map(r.value + 7 * G2, 2 * G2, h.value, 0), "cuMemMap", "outside every reservation");
-  refused(b.unmap(r.value + G2, G2), "cuMemUnmap", "not exactly one mapping");
+  refused(b.unmap(r.value + G2, G2), "cuMemUnmap", "not whole mappings");
   refused(b.free_reservation(r.value, 8 * G2), "cuMemAddressFree", "still holds mappings");
   refused(b.set_access(r.value, 2 * G2, {}), "cuMemSetAccess", "not wholly mapped");
   CHECK(b.unmap(r.value + G2, 2 * G2).ok());
@@ -126,6 +126,46 @@ TEST_CASE("host backend: map only inside a reservation, unmap exactly what was m
   CHECK(b.free_reservation(r.value, 8 * G2).ok());
   CHECK(b.live_handles() == 0);
   CHECK(b.live_mappings() == 0);
+  CHECK(b.live_reservations() == 0);
+}
+
+TEST_CASE("host backend: one unmap takes several whole mappings side by side, never a gap or part of one") {
+  auto log = std::make_shared<vmm::test::violation_log>();
+  vmm::host_backend b(vmm::test::recording(log));
+  vmm::chunk_props props;
+  auto r = b.reserve(8 * G2, G2);
+  REQUIRE(r.ok());
+  std::vector<vmm::mem_handle> hs;
+  for (int i = 0; i < 3; ++i) {
+    auto h = b.create(G2, props);
+    REQUIRE(h.ok());
+    hs.push_back(h.value);
+  }
+  // Pages 0, 1 and 3: 0-1 are side by side, 2 is a gap.
+  REQUIRE(b.map(r.value, G2, hs[0], 0).ok());
+  REQUIRE(b.map(r.value + G2, G2, hs[1], 0).ok());
+  REQUIRE(b.map(r.value + 3 * G2, G2, hs[2], 0).ok());
+  auto refused = [&](vmm::status st, const char* why) {
+    CHECK(st.kind == vmm::errc::invalid_value);
+    INFO(log->last());
+    CHECK(log->last().find("cuMemUnmap") != std::string::npos);
+    CHECK(log->last().find(why) != std::string::npos);
+  };
+  refused(b.unmap(r.value, 4 * G2), "no mapping starts at");     // over the gap
+  refused(b.unmap(r.value + G2, 3 * G2), "no mapping starts at");  // from page 1 over the gap
+  refused(b.unmap(r.value, 5 * G2), "no mapping starts at");     // past the last mapping
+  CHECK(log->count() == 3);
+  CHECK(b.live_mappings() == 3);  // a refused call unmaps nothing
+  CHECK(b.unmap(r.value, 2 * G2).ok());  // pages 0 and 1 in one call
+  CHECK(b.live_mappings() == 1);
+  // The VA is a reservation again: the handles map there anew.
+  CHECK(b.map(r.value + G2, G2, hs[0], 0).ok());
+  CHECK(b.unmap(r.value + G2, G2).ok());
+  CHECK(b.unmap(r.value + 3 * G2, G2).ok());
+  for (auto h : hs) CHECK(b.release(h).ok());
+  CHECK(log->count() == 3);
+  CHECK(b.free_reservation(r.value, 8 * G2).ok());
+  CHECK(b.live_handles() == 0);
   CHECK(b.live_reservations() == 0);
 }
 

@@ -232,8 +232,26 @@ void arena::run(job& j) {
     return st.ok();
   };
   // Retired ranges first: their unmaps succeed or fail on their own, whatever the mapping does.
-  for (auto& u : j.unmaps) {
-    u.done = note(vm::driver::twice([&] { return drv_.unmap(u.va, u.size); }));
+  // Ranges side by side go in one call (cuMemUnmap takes several whole mappings): a move of a
+  // freed block's chunks is one unmap, not one a handle. A refused run is retried range by range,
+  // so what the driver refuses is still known per handle.
+  std::vector<std::size_t> order(j.unmaps.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return j.unmaps[x].va < j.unmaps[y].va; });
+  for (std::size_t b = 0; b < order.size();) {
+    std::size_t e = b + 1;
+    std::uintptr_t end = j.unmaps[order[b]].va + j.unmaps[order[b]].size;
+    for (; e < order.size() && j.unmaps[order[e]].va == end; ++e) end += j.unmaps[order[e]].size;
+    const std::uintptr_t va = j.unmaps[order[b]].va;
+    if (e - b > 1 && drv_.unmap(va, end - va).ok()) {
+      for (std::size_t k = b; k < e; ++k) j.unmaps[order[k]].done = true;
+    } else {
+      for (std::size_t k = b; k < e; ++k) {
+        auto& u = j.unmaps[order[k]];
+        u.done = note(vm::driver::twice([&] { return drv_.unmap(u.va, u.size); }));
+      }
+    }
+    b = e;
   }
   // Then the releases, before any create: the memory is the device's again first. A handle whose
   // range the driver refused to unmap is parked instead (released by a later retry; the range

@@ -426,14 +426,25 @@ status host_backend::unmap(std::uintptr_t va, std::size_t size) {
   impl& m = *p_;
   std::unique_lock g(m.mu);
   if (status u = m.unsafe("cuMemUnmap"); !u.ok()) return u;
+  // Like cuMemUnmap, the range is whole mappings, one or several side by side (the driver unmaps
+  // them in one call); part of a mapping, or a gap, is refused.
+  impl::call c{0, "cuMemUnmap", va, size, {}, 0};
+  std::string why;
   auto it = m.mappings.find(va);
-  if (it == m.mappings.end() || it->second.size != size) {
-    std::string there = it == m.mappings.end() ? "no mapping starts there"
-                                               : "the mapping there is " + bytes(it->second.size);
-    return m.violation(g, "cuMemUnmap(va " + hex(va) + ", " + bytes(size) + "): not exactly one mapping (" + there + ")",
-                       errno_status(EINVAL, "munmap"));
+  if (size == 0 || it == m.mappings.end()) why = "no mapping starts there";
+  for (std::uintptr_t cur = va; why.empty() && cur < va + size; ++it) {
+    if (it == m.mappings.end() || it->first != cur) {
+      why = "no mapping starts at " + hex(cur);
+    } else if (it->first + it->second.size > va + size) {
+      why = "the mapping at " + hex(cur) + " is " + bytes(it->second.size) + " and goes past the range";
+    } else {
+      c.hs.push_back(it->second.handle);
+      cur += it->second.size;
+    }
   }
-  impl::call c{0, "cuMemUnmap", va, size, {it->second.handle}, 0};
+  if (!why.empty())
+    return m.violation(g, "cuMemUnmap(va " + hex(va) + ", " + bytes(size) + "): not whole mappings (" + why + ")",
+                       errno_status(EINVAL, "munmap"));
   if (std::string v = m.begin(c); !v.empty()) return m.violation(g, v, errno_status(EINVAL, "munmap"));
   g.unlock();
   m.dwell();
@@ -444,7 +455,7 @@ status host_backend::unmap(std::uintptr_t va, std::size_t size) {
   g.lock();
   m.end(c.id);
   if (r == MAP_FAILED) return errno_status(err, "mmap");
-  m.mappings.erase(va);
+  m.mappings.erase(m.mappings.find(va), m.mappings.lower_bound(va + size));
   return {};
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -199,6 +200,20 @@ class fault_state {
     return true;
   }
   std::atomic<std::int64_t> handles_{0}, mappings_{0}, reservations_{0};
+  // Where the mappings start: one unmap may take several side by side (as cuMemUnmap does).
+  void mapped(std::uintptr_t va) {
+    std::lock_guard g(map_mu_);
+    map_starts_.insert(va);
+    ++mappings_;
+  }
+  void unmapped(std::uintptr_t va, std::size_t n) {
+    std::lock_guard g(map_mu_);
+    auto lo = map_starts_.lower_bound(va), hi = map_starts_.lower_bound(va + n);
+    mappings_ -= static_cast<std::int64_t>(std::distance(lo, hi));
+    map_starts_.erase(lo, hi);
+  }
+  std::mutex map_mu_;
+  std::set<std::uintptr_t> map_starts_;
   // The host backend under the decorator (set by fault_backend): its test controls (hold_stream,
   // live counts) stay reachable through the state the test keeps.
   host_backend* host = nullptr;
@@ -287,14 +302,14 @@ class fault_backend final : public forwarding_backend {
     status e;
     if (st_->on_call(op::map, e)) return e;
     status s = in_->map(va, n, h, off);
-    if (s.ok()) ++st_->mappings_;
+    if (s.ok()) st_->mapped(va);
     return s;
   }
   status unmap(std::uintptr_t va, std::size_t n) override {
     status e;
     if (st_->on_call(op::unmap, e)) return e;
     status s = in_->unmap(va, n);
-    if (s.ok()) --st_->mappings_;
+    if (s.ok()) st_->unmapped(va, n);
     return s;
   }
   status set_access(std::uintptr_t va, std::size_t n, std::span<const access_desc> a) override {

@@ -211,6 +211,35 @@ TEST_CASE("fault: unmap refused during trim -> error reported, chunk kept, retry
   CHECK(st->nothing_live());
 }
 
+// Chunks side by side go back in one cuMemUnmap; when the driver refuses it, each range is
+// unmapped alone, so one refusal neither loses the others nor leaves a mapping behind.
+TEST_CASE("fault: an unmap of several mappings refused -> each range unmapped alone, nothing lost") {
+  auto st = std::make_shared<fault_state>();
+  {
+    allocator a(make_fault_host(st), small_opts());
+    void* p = a.allocate(256 * MiB);  // a huge block: handles of 16 MiB side by side
+    a.deallocate(p);
+    const std::uint64_t before = st->calls(op::unmap);
+    const std::size_t handles = a.stats().physical / (16 * MiB);
+    REQUIRE(handles > 1);
+    st->arm(op::unmap, 1, fault::not_permitted);  // the first unmap only: the joint one
+    a.trim(0);
+    CHECK(st->injected() == 1);
+    CHECK(st->calls(op::unmap) - before == 1 + handles);  // refused together, then one a range
+    CHECK(a.stats().mapped == 0);
+    CHECK(a.stats().physical == 0);
+    CHECK(a.check() == "");
+    // Without the fault the same return takes one call.
+    p = a.allocate(256 * MiB);
+    a.deallocate(p);
+    const std::uint64_t again = st->calls(op::unmap);
+    a.trim(0);
+    CHECK(st->calls(op::unmap) - again == 1);
+    CHECK(a.stats().physical == 0);
+  }
+  CHECK(st->nothing_live());
+}
+
 // Constructor faults: the allocator cannot open; the exception carries the driver's status and
 // nothing is left behind.
 TEST_CASE("fault: reserve refused -> constructor throws out_of_memory, nothing leaked") {

@@ -10,7 +10,8 @@
 //   - two calls in flight at once on overlapping VA ranges or on one handle (map, unmap,
 //     set_access, release, export, free_reservation): a release of a handle another thread is
 //     unmapping, a VA mapped again before its unmap returned;
-//   - an unmap that is not exactly one mapping, a map over mapped VA or outside a reservation;
+//   - an unmap of part of a mapping or over a gap (whole mappings side by side go in one call),
+//     a map over mapped VA or outside a reservation;
 //   - a handle used after its release (values are never reused unless reuse_handles, so a stale
 //     one is unknown; with reuse_handles they come back as the driver's do, and a stale value
 //     names a newer handle, which only the allocator's own checks can catch);

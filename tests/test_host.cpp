@@ -96,6 +96,17 @@ VMM_CONFORMANCE_INVOKE(host_traits)
 
 // ---- backend: the driver's rules, enforced by the host backend ----
 
+namespace {
+// A call the driver would refuse: refused as an invalid value, and the violation logged with the
+// call and the reason named.
+void refused(vmm::test::violation_log& log, const vmm::status& st, const char* call, const char* why) {
+  CHECK(st.kind == vmm::errc::invalid_value);
+  INFO(log.last());
+  CHECK(log.last().find(call) != std::string::npos);
+  CHECK(log.last().find(why) != std::string::npos);
+}
+}  // namespace
+
 TEST_CASE("host backend: map only inside a reservation, unmap whole mappings") {
   auto log = std::make_shared<vmm::test::violation_log>();
   vmm::host_backend b(vmm::test::recording(log));
@@ -104,24 +115,17 @@ TEST_CASE("host backend: map only inside a reservation, unmap whole mappings") {
   REQUIRE(r.ok());
   auto h = b.create(2 * G2, props);
   REQUIRE(h.ok());
-  // Each refusal is a violation of the driver's contract, reported with the call named.
-  auto refused = [&](vmm::status st, const char* call, const char* why) {
-    CHECK(st.kind == vmm::errc::invalid_value);
-    INFO(log->last());
-    CHECK(log->last().find(call) != std::string::npos);
-    CHECK(log->last().find(why) != std::string::npos);
-  };
   CHECK(b.map(r.value + G2, 2 * G2, h.value, 0).ok());
-  refused(b.map(r.value + 2 * G2, G2, h.value, 0), "cuMemMap", "over VA that is mapped");
-  refused(b.map(r.value + 100, G2, h.value, 0), "cuMemMap", "off the granularity");
-  refused(b.map(r.value + 7 * G2, 2 * G2, h.value, 0), "cuMemMap", "outside every reservation");
-  refused(b.unmap(r.value + G2, G2), "cuMemUnmap", "not whole mappings");
-  refused(b.free_reservation(r.value, 8 * G2), "cuMemAddressFree", "still holds mappings");
-  refused(b.set_access(r.value, 2 * G2, {}), "cuMemSetAccess", "not wholly mapped");
+  refused(*log, b.map(r.value + 2 * G2, G2, h.value, 0), "cuMemMap", "over VA that is mapped");
+  refused(*log, b.map(r.value + 100, G2, h.value, 0), "cuMemMap", "off the granularity");
+  refused(*log, b.map(r.value + 7 * G2, 2 * G2, h.value, 0), "cuMemMap", "outside every reservation");
+  refused(*log, b.unmap(r.value + G2, G2), "cuMemUnmap", "not whole mappings");
+  refused(*log, b.free_reservation(r.value, 8 * G2), "cuMemAddressFree", "still holds mappings");
+  refused(*log, b.set_access(r.value, 2 * G2, {}), "cuMemSetAccess", "not wholly mapped");
   CHECK(b.unmap(r.value + G2, 2 * G2).ok());
   CHECK(b.release(h.value).ok());
-  refused(b.release(h.value), "cuMemRelease", "not a live handle");         // twice
-  refused(b.map(r.value, 2 * G2, h.value, 0), "cuMemMap", "not a live handle");  // after its release
+  refused(*log, b.release(h.value), "cuMemRelease", "not a live handle");         // twice
+  refused(*log, b.map(r.value, 2 * G2, h.value, 0), "cuMemMap", "not a live handle");  // after its release
   CHECK(log->count() == 8);
   CHECK(b.free_reservation(r.value, 8 * G2).ok());
   CHECK(b.live_handles() == 0);
@@ -145,15 +149,9 @@ TEST_CASE("host backend: one unmap takes several whole mappings side by side, ne
   REQUIRE(b.map(r.value, G2, hs[0], 0).ok());
   REQUIRE(b.map(r.value + G2, G2, hs[1], 0).ok());
   REQUIRE(b.map(r.value + 3 * G2, G2, hs[2], 0).ok());
-  auto refused = [&](vmm::status st, const char* why) {
-    CHECK(st.kind == vmm::errc::invalid_value);
-    INFO(log->last());
-    CHECK(log->last().find("cuMemUnmap") != std::string::npos);
-    CHECK(log->last().find(why) != std::string::npos);
-  };
-  refused(b.unmap(r.value, 4 * G2), "no mapping starts at");     // over the gap
-  refused(b.unmap(r.value + G2, 3 * G2), "no mapping starts at");  // from page 1 over the gap
-  refused(b.unmap(r.value, 5 * G2), "no mapping starts at");     // past the last mapping
+  refused(*log, b.unmap(r.value, 4 * G2), "cuMemUnmap", "no mapping starts at");     // over the gap
+  refused(*log, b.unmap(r.value + G2, 3 * G2), "cuMemUnmap", "no mapping starts at");  // from page 1 over the gap
+  refused(*log, b.unmap(r.value, 5 * G2), "cuMemUnmap", "no mapping starts at");     // past the last mapping
   CHECK(log->count() == 3);
   CHECK(b.live_mappings() == 3);  // a refused call unmaps nothing
   CHECK(b.unmap(r.value, 2 * G2).ok());  // pages 0 and 1 in one call

@@ -173,7 +173,10 @@ class fault_state {
 
   // Live objects created through the decorator and not yet destroyed through it.
   std::int64_t live_handles() const { return handles_.load(); }
-  std::int64_t live_mappings() const { return mappings_.load(); }
+  std::int64_t live_mappings() const {
+    std::lock_guard g(map_mu_);
+    return static_cast<std::int64_t>(map_starts_.size());
+  }
   std::int64_t live_reservations() const { return reservations_.load(); }
   bool nothing_live() const { return !live_handles() && !live_mappings() && !live_reservations(); }
 
@@ -199,20 +202,17 @@ class fault_state {
     if (has_then_ && then_times_) then_live_ = true;
     return true;
   }
-  std::atomic<std::int64_t> handles_{0}, mappings_{0}, reservations_{0};
+  std::atomic<std::int64_t> handles_{0}, reservations_{0};
   // Where the mappings start: one unmap may take several side by side (as cuMemUnmap does).
   void mapped(std::uintptr_t va) {
     std::lock_guard g(map_mu_);
     map_starts_.insert(va);
-    ++mappings_;
   }
   void unmapped(std::uintptr_t va, std::size_t n) {
     std::lock_guard g(map_mu_);
-    auto lo = map_starts_.lower_bound(va), hi = map_starts_.lower_bound(va + n);
-    mappings_ -= static_cast<std::int64_t>(std::distance(lo, hi));
-    map_starts_.erase(lo, hi);
+    map_starts_.erase(map_starts_.lower_bound(va), map_starts_.lower_bound(va + n));
   }
-  std::mutex map_mu_;
+  mutable std::mutex map_mu_;
   std::set<std::uintptr_t> map_starts_;
   // The host backend under the decorator (set by fault_backend): its test controls (hold_stream,
   // live counts) stay reachable through the state the test keeps.

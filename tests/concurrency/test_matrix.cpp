@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+// The growth/release matrix (tests/support/growth_matrix.hpp: every combination of the options
+// that change growth and release, under threads, streams and cross-thread frees) on the host
+// backend, as the GPU suite runs it on the device. The host backend here behaves as the driver
+// does where the allocator's correctness depends on it: each call stays in flight for a while
+// (two calls at once on one handle or range abort the run, naming both), a released handle's value
+// names the next handle, and a thread holds the streams' fences pending (the GPU behind the CPU),
+// so frees wait on fences, chunks are busy and trim() blocks until the stream completes.
+//
+// VMM_MATRIX_MS: run time of each cell (default 150 ms, 100 ms in sanitizer builds);
+// VMM_MATRIX_CELLS=3,17 runs only those.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <thread>
+
+#include "arena/tuning.hpp"
+#include "fault/pattern.hpp"
+#include "frontend/allocator_access.hpp"
+#include "support/growth_matrix.hpp"
+#include "vmmalloc/host_backend.hpp"
+#include "vmmalloc/vmmalloc.hpp"
+
+using namespace vmm;
+
+namespace {
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr int kDefaultMs = 100;
+#else
+constexpr int kDefaultMs = 150;
+#endif
+
+constexpr int kStreams = 16;  // thread i's stream is tag i + 1 (the cells have at most 16 threads)
+
+stream_t tag(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
+
+struct host_env {
+  using stream_type = stream_t;
+  host_backend* hb = nullptr;
+  std::atomic<bool> stop{false};
+  std::thread holder;
+
+  allocator make(const options& o) {
+    host_backend_options h;
+    h.call_us = 10;            // the driver's calls take 1-600 us: windows for two calls at once
+    h.reuse_handles = true;    // a stale handle value names a newer handle, as with the driver
+    h.waits_block = true;      // a wait on a held fence blocks until the holder completes it
+    auto b = make_backend<host_backend>(h);
+    hb = backend_cast<host_backend>(*b);
+    allocator a = allocator_access::make(std::move(b), o, tuning{});
+    stop = false;
+    holder = std::thread([this] {  // the GPU running behind: a stream's fences pend 0.2-1 ms
+      std::mt19937_64 r(0x401d);
+      while (!stop.load()) {
+        const stream_t s = tag(1 + static_cast<int>(r() % kStreams));
+        hb->hold_stream(s);
+        std::this_thread::sleep_for(std::chrono::microseconds(200 + r() % 800));
+        hb->complete_stream(s);
+      }
+    });
+    return a;
+  }
+  stream_t stream(int i) { return tag(i + 1); }
+  void fill(void* p, std::size_t n, std::uint64_t seed, stream_t) { test::fill_block(p, n, seed); }
+  std::uint64_t verify(const void* p, std::size_t n, std::uint64_t seed, stream_t) {
+    std::size_t bad = 0;
+    test::verify_block(p, n, seed, &bad);
+    return bad != SIZE_MAX;  // one block that reads back wrong
+  }
+  void quiesce() {
+    stop = true;
+    if (holder.joinable()) holder.join();
+    for (int i = 0; i <= kStreams; ++i) hb->complete_stream(i ? tag(i) : nullptr);
+  }
+  std::size_t free_memory() { return host_backend_options{}.physical_limit; }  // a fresh backend's
+  ~host_env() {  // a cell that failed before quiesce()
+    stop = true;
+    if (holder.joinable()) holder.join();
+  }
+};
+
+int run_ms() {
+  const char* e = std::getenv("VMM_MATRIX_MS");
+  return e && std::atoi(e) > 0 ? std::atoi(e) : kDefaultMs;
+}
+
+}  // namespace
+
+TEST_CASE("matrix on the host backend: every option that changes growth and release, under threads, streams and cross-thread frees") {
+  host_env env;
+  test::matrix::run_all(env, std::chrono::milliseconds(run_ms()), "VMM_MATRIX_CELLS");
+}

@@ -4,8 +4,9 @@
 // backend, as the GPU suite runs it on the device. The host backend here behaves as the driver
 // does where the allocator's correctness depends on it: each call stays in flight for a while
 // (two calls at once on one handle or range abort the run, naming both), a released handle's value
-// names the next handle, and a thread holds the streams' fences pending (the GPU behind the CPU),
-// so frees wait on fences, chunks are busy and trim() blocks until the stream completes.
+// names the next handle, and a thread holds the streams (the GPU behind the CPU): the kernels that
+// fill the blocks land late, frees wait on fences, chunks are busy and trim() blocks until the
+// stream completes.
 //
 // VMM_MATRIX_MS: run time of each cell (default 150 ms, 100 ms in sanitizer builds);
 // VMM_MATRIX_CELLS=3,17 runs only those.
@@ -66,11 +67,23 @@ struct host_env {
     return a;
   }
   stream_t stream(int i) { return tag(i + 1); }
-  void fill(void* p, std::size_t n, std::uint64_t seed, stream_t) { test::fill_block(p, n, seed); }
-  std::uint64_t verify(const void* p, std::size_t n, std::uint64_t seed, stream_t) {
+  // A kernel: writes the block when its stream runs, late while the holder holds it. A block the
+  // allocator gave to another stream, or unmapped, before this landed shows as wrong bytes there
+  // (or a fault here).
+  void fill(void* p, std::size_t n, std::uint64_t seed, stream_t s) {
+    hb->launch(s, [=] { test::fill_block(p, n, seed); });
+  }
+  std::uint64_t verify(const void* p, std::size_t n, std::uint64_t seed, stream_t s) {
+    synchronize(s);
     std::size_t bad = 0;
     test::verify_block(p, n, seed, &bad);
     return bad != SIZE_MAX;  // one block that reads back wrong
+  }
+  void synchronize(stream_t s) {  // cudaStreamSynchronize: blocks until the holder completes s
+    auto f = hb->record_fence(s);
+    REQUIRE(f.ok());
+    CHECK(hb->wait_fence(f.value).ok());
+    hb->drop_fence(f.value);
   }
   void quiesce() {
     stop = true;

@@ -16,12 +16,14 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <thread>
 
 #include "arena/tuning.hpp"
 #include "fault/pattern.hpp"
 #include "frontend/allocator_access.hpp"
+#include "support/fault_backend.hpp"
 #include "support/growth_matrix.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
@@ -43,6 +45,7 @@ stream_t tag(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr
 struct host_env {
   using stream_type = stream_t;
   host_backend* hb = nullptr;
+  std::shared_ptr<test::fault_state> objects;
   std::atomic<bool> stop{false};
   std::thread holder;
 
@@ -51,8 +54,9 @@ struct host_env {
     h.call_us = 10;            // the driver's calls take 1-600 us: windows for two calls at once
     h.reuse_handles = true;    // a stale handle value names a newer handle, as with the driver
     h.waits_block = true;      // a wait on a held fence blocks until the holder completes it
-    auto b = make_backend<host_backend>(h);
-    hb = backend_cast<host_backend>(*b);
+    objects = std::make_shared<test::fault_state>();  // unarmed: counts what the backend holds
+    auto b = test::make_fault_host(objects, h);
+    hb = objects->host;
     allocator a = allocator_access::make(std::move(b), o, tuning{});
     stop = false;
     holder = std::thread([this] {  // the GPU running behind: a stream's fences pend 0.2-1 ms
@@ -81,16 +85,27 @@ struct host_env {
   }
   void synchronize(stream_t s) {  // cudaStreamSynchronize: blocks until the holder completes s
     auto f = hb->record_fence(s);
-    REQUIRE(f.ok());
-    CHECK(hb->wait_fence(f.value).ok());
+    if (!f.ok()) {
+      ++sync_failures;
+      return;
+    }
+    if (!hb->wait_fence(f.value).ok()) ++sync_failures;
     hb->drop_fence(f.value);
   }
+  std::atomic<std::uint64_t> sync_failures{0};
   void quiesce() {
     stop = true;
     if (holder.joinable()) holder.join();
     for (int i = 0; i <= kStreams; ++i) hb->complete_stream(i ? tag(i) : nullptr);
   }
   std::size_t free_memory() { return host_backend_options{}.physical_limit; }  // a fresh backend's
+  // After the cell's allocator is destroyed: no handle, mapping or reservation left behind.
+  void after() {
+    CHECK(sync_failures.load() == 0);
+    CHECK(objects->live_handles() == 0);
+    CHECK(objects->live_mappings() == 0);
+    CHECK(objects->live_reservations() == 0);
+  }
   ~host_env() {  // a cell that failed before quiesce()
     stop = true;
     if (holder.joinable()) holder.join();

@@ -21,6 +21,7 @@
 //                                                  the stream's earlier work is done (0: intact)
 //   void quiesce()                                 every stream's work done; before the checks
 //   size_t free_memory()                           the device's free memory (the margin's cells)
+//   void after()                                   checks once the cell's allocator is destroyed
 #pragma once
 
 #include <doctest/doctest.h>
@@ -202,6 +203,7 @@ std::string run_cell(Env& env, const cell& c, std::size_t index, std::chrono::mi
     CHECK(after.physical == 0);
     CHECK(after.live == 0);
   }
+  env.after();
   for (const auto& m : t.other) FAIL_CHECK("a failure that is not out_of_memory: " << m);
   CHECK(t.wrong.load() == 0);
   CHECK(t.allocs.load() > 0);

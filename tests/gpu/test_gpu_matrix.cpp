@@ -57,6 +57,7 @@ TEST_CASE("gpu race: six threads, a memory limit and trim() beside growths (the 
   o.memory_limit = limit;
   o.reservation_size = 1 * GiB;
   vmm::allocator a(o);
+  gpu_env env;
   tally t;
   std::atomic<std::uint64_t> seeds{1};
   const auto until = clock_type::now() + run_for;
@@ -72,16 +73,7 @@ TEST_CASE("gpu race: six threads, a memory limit and trim() beside growths (the 
         if (mine.size() < 32 && r() % 3 != 0) {
           const int k = std::uniform_int_distribution<int>(6, 25)(r);
           const std::size_t size = (std::size_t{1} << k) + r() % (std::size_t{1} << k);
-          void* p = a.try_allocate(size, 0, s);
-          if (!p) {
-            if (vmm::last_error().st.kind == vmm::errc::out_of_memory) ++t.oom;
-            else t.failed(vmm::last_error().message);
-            continue;
-          }
-          ++t.allocs;
-          const std::uint64_t seed = seeds.fetch_add(1);
-          gpu::fill(p, size, seed, s);
-          mine.push_back({p, size, seed});
+          vmm::test::matrix::allocate_into(a, env, t, seeds, size, s, mine);
         } else if (!mine.empty()) {
           const std::size_t k = r() % mine.size();
           if (r() % 4 == 0) t.wrong += gpu::verify(mine[k].p, mine[k].n, mine[k].seed, s);

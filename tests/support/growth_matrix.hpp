@@ -122,6 +122,23 @@ inline std::size_t pick(std::mt19937_64& r) {
   return (std::size_t{1} << k) + r() % (std::size_t{1} << k);
 }
 
+// One allocation of `size` on stream st, filled and kept in `mine`; a refusal other than
+// out_of_memory is kept in the tally.
+template <class Env, class Stream>
+void allocate_into(vmm::allocator& a, Env& env, tally& t, std::atomic<std::uint64_t>& seeds, std::size_t size,
+                   Stream st, std::vector<blk>& mine) {
+  void* p = a.try_allocate(size, 0, st);
+  if (!p) {
+    if (vmm::last_error().st.kind == vmm::errc::out_of_memory) ++t.oom;
+    else t.failed(vmm::last_error().message);
+    return;
+  }
+  ++t.allocs;
+  const std::uint64_t seed = seeds.fetch_add(1);
+  env.fill(p, size, seed, st);
+  mine.push_back({p, size, seed});
+}
+
 // Runs one cell; returns its table row. Assertions inside are the cell's.
 template <class Env>
 std::string run_cell(Env& env, const cell& c, std::size_t index, std::chrono::milliseconds run_for) {
@@ -163,17 +180,7 @@ std::string run_cell(Env& env, const cell& c, std::size_t index, std::chrono::mi
             continue;
           }
           if (mine.size() < 12 && r() % 3 != 0) {
-            const std::size_t size = pick(r);
-            void* p = a.try_allocate(size, 0, st);
-            if (!p) {
-              if (vmm::last_error().st.kind == vmm::errc::out_of_memory) ++t.oom;
-              else t.failed(vmm::last_error().message);
-              continue;
-            }
-            ++t.allocs;
-            const std::uint64_t seed = seeds.fetch_add(1);
-            env.fill(p, size, seed, st);
-            mine.push_back({p, size, seed});
+            allocate_into(a, env, t, seeds, pick(r), st, mine);
           } else if (!mine.empty()) {
             const std::size_t k = r() % mine.size();
             const blk x = mine[k];

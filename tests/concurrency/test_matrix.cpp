@@ -58,6 +58,7 @@ struct host_env {
     auto b = test::make_fault_host(objects, h);
     hb = objects->host;
     allocator a = allocator_access::make(std::move(b), o, tuning{});
+    sync_failures = 0;
     stop = false;
     holder = std::thread([this] {  // the GPU running behind: a stream's fences pend 0.2-1 ms
       std::mt19937_64 r(0x401d);
@@ -93,9 +94,12 @@ struct host_env {
     hb->drop_fence(f.value);
   }
   std::atomic<std::uint64_t> sync_failures{0};
-  void quiesce() {
+  void stop_holder() {
     stop = true;
     if (holder.joinable()) holder.join();
+  }
+  void quiesce() {
+    stop_holder();
     for (int i = 0; i <= kStreams; ++i) hb->complete_stream(i ? tag(i) : nullptr);
   }
   std::size_t free_memory() { return host_backend_options{}.physical_limit; }  // a fresh backend's
@@ -106,10 +110,7 @@ struct host_env {
     CHECK(objects->live_mappings() == 0);
     CHECK(objects->live_reservations() == 0);
   }
-  ~host_env() {  // a cell that failed before quiesce()
-    stop = true;
-    if (holder.joinable()) holder.join();
-  }
+  ~host_env() { stop_holder(); }  // a cell that failed before quiesce()
 };
 
 int run_ms() {

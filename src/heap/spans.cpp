@@ -74,15 +74,21 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
     span_ends[s->addr] = s;
     sentinel = s;
     link_page(nb);
-    if (freed_seq && (tail->flags & f_free) && !(tail->flags & f_sentinel) && compatible(tail, nb)) {
+    // A free tail x may use joins the range, as grow() planned. A tagged range (x may still be
+    // writing it) tags the tail x's too: stricter for other streams, never looser, since the
+    // tail's own tag, if any, is x's or one whose fence already completed.
+    if ((tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
+      if (freed_seq) take_tag(tail, nb);
+      else take_tag(nb, tail);
       remove_free(tail);
       absorb(tail, nb);
       nb = tail;
-    } else if (!freed_seq && (tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
-      take_tag(nb, tail);
-      remove_free(tail);
-      absorb(tail, nb);
-      nb = tail;
+      // Tagged so, the tail may now also coalesce with its own left neighbour.
+      if (block* l = nb->prev_phys; freed_seq && l && compatible(l, nb)) {
+        remove_free(l);
+        absorb(l, nb);
+        nb = l;
+      }
     }
   } else {
     block* s = new_block();
@@ -120,16 +126,20 @@ void heap::impl::join_next_span(block* sentinel, stream_t x) {
     insert_free(l);
     return l;
   };
+  const bool retag_h = (t->flags & f_tagged) && !compatible(t, h);
   if (!(t->flags & f_tagged) && (h->flags & f_tagged)) {
     take_tag(t, h);  // tagged so, it may now also coalesce with its own left neighbour
     if (block* l = t->prev_phys; l && compatible(l, t)) t = merge(l, t);
   }
-  merge(t, h);
+  t = merge(t, h);
+  // h took t's tag: it may now also coalesce with its own right neighbour.
+  if (block* r = t->next_phys; retag_h && r && compatible(t, r)) merge(t, r);
 }
 
 bool heap::impl::joinable(const block* l, block* r, stream_t x) {
   if (!(l->flags & f_tagged)) return !(r->flags & f_tagged) || usable(r, x);
-  return (r->flags & f_tagged) && l->stream == r->stream;
+  // r takes l's tag: stricter for an untagged r; a tag of r's own may go once its fence completed.
+  return !(r->flags & f_tagged) || l->stream == r->stream || fence_covers(r->stream, r->free_seq);
 }
 
 status heap::impl::grow(std::size_t need, stream_t x) {
@@ -163,8 +173,9 @@ status heap::impl::grow(std::size_t need, stream_t x) {
     block* h = span_head_at(end + hole);
     if (!h || !(h->flags & f_free) || !usable(h, x)) continue;
     // What one free block the mapping leaves: a free tail this stream may use takes the hole in
-    // (add_span_range, with the tail's tag), and the head joins them where joinable
-    // (join_next_span); without such a tail the fresh hole takes the head's tag.
+    // (add_span_range), and the head joins them where joinable (join_next_span); without such a
+    // tail the fresh hole takes the head's tag. The joined block keeps x's tag where the mapped
+    // handle's old range may still be written (job::in_flight): it joins no less.
     block* t = s->prev_phys;
     std::size_t joined = hole + h->size;
     if ((t->flags & f_free) && usable(t, x)) joined = t->size + hole + (joinable(t, h, x) ? h->size : 0);

@@ -14,13 +14,14 @@
 
 #include "support/host_alloc.hpp"
 #include "vmmalloc/vmmalloc.h"
+#include "support/stream_tag.hpp"
 
 using namespace vmm;
+using vmm::test::stream_tag;
 using vmm::test::make_host_alloc;
 
 namespace {
 constexpr std::size_t KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024;
-stream_t S(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
 options opts() {
   options o;
   o.reservation_size = 4 * GiB;
@@ -46,12 +47,12 @@ TEST_CASE("capture: allocations that need growth, on every path, leave a global 
   for (std::size_t n : {std::size_t{256}, 48 * KiB, 3 * MiB, 100 * MiB}) {  // cache/slab, large, huge
     CAPTURE(n);
     a.trim(0);  // nothing mapped: every size needs growth
-    REQUIRE(hb->begin_capture(S(1)) != 0);
-    void* p = a.allocate(n, 0, S(1));
-    void* q = a.allocate(n, 0, S(1));
-    a.deallocate(p, S(1));
-    a.deallocate(q, S(1));
-    CHECK(end(hb, S(1)) == "");
+    REQUIRE(hb->begin_capture(stream_tag(1)) != 0);
+    void* p = a.allocate(n, 0, stream_tag(1));
+    void* q = a.allocate(n, 0, stream_tag(1));
+    a.deallocate(p, stream_tag(1));
+    a.deallocate(q, stream_tag(1));
+    CHECK(end(hb, stream_tag(1)) == "");
     CHECK(a.check() == "");
   }
 }
@@ -60,11 +61,11 @@ TEST_CASE("capture: without the relaxed mode the model refuses growth (the model
   auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
-  REQUIRE(hb->begin_capture(S(1)) != 0);
+  REQUIRE(hb->begin_capture(stream_tag(1)) != 0);
   // A direct backend call in global mode, as an allocator without capture support would make.
   auto h = hb->create(2 * MiB, {});
   CHECK_FALSE(h.ok());
-  CHECK(end(hb, S(1)) == "invalidated by cuMemCreate");
+  CHECK(end(hb, stream_tag(1)) == "invalidated by cuMemCreate");
 }
 
 TEST_CASE("capture: another thread's global capture survives this thread's growth, trim and stats") {
@@ -73,21 +74,21 @@ TEST_CASE("capture: another thread's global capture survives this thread's growt
   auto& a = ha.a;
   std::atomic<int> phase{0};
   std::thread capturer([&] {
-    hb->begin_capture(S(9));
+    hb->begin_capture(stream_tag(9));
     phase = 1;
     while (phase.load() != 2) std::this_thread::yield();
   });
   while (phase.load() != 1) std::this_thread::yield();
-  void* p = a.allocate(200 * MiB, 0, S(1));
-  void* q = a.allocate(5 * MiB, 0, S(2));
-  a.deallocate(p, S(1));
-  a.deallocate(q, S(1));  // cross-stream free: a fence on S1 (not capturing)
+  void* p = a.allocate(200 * MiB, 0, stream_tag(1));
+  void* q = a.allocate(5 * MiB, 0, stream_tag(2));
+  a.deallocate(p, stream_tag(1));
+  a.deallocate(q, stream_tag(1));  // cross-stream free: a fence on S1 (not capturing)
   a.trim(0);
   (void)a.stats();
   CHECK(a.check() == "");
   phase = 2;
   capturer.join();
-  CHECK(end(hb, S(9)) == "");
+  CHECK(end(hb, stream_tag(9)) == "");
 }
 
 TEST_CASE("capture: no fence is recorded on a capturing stream; what waits on it waits for the end") {
@@ -96,24 +97,24 @@ TEST_CASE("capture: no fence is recorded on a capturing stream; what waits on it
   auto& a = ha.a;
   // A large block freed on S1 during S1's capture: S2 may not reuse it (a fence on S1 would be a
   // graph node, not a point S1 reaches), and asking must not touch S1.
-  void* warm = a.allocate(3 * MiB, 0, S(1));
-  a.deallocate(warm, S(1));
-  REQUIRE(hb->begin_capture(S(1)) != 0);
-  void* p = a.allocate(3 * MiB, 0, S(1));
-  a.deallocate(p, S(1));
-  void* q = a.allocate(3 * MiB, 0, S(2));
+  void* warm = a.allocate(3 * MiB, 0, stream_tag(1));
+  a.deallocate(warm, stream_tag(1));
+  REQUIRE(hb->begin_capture(stream_tag(1)) != 0);
+  void* p = a.allocate(3 * MiB, 0, stream_tag(1));
+  a.deallocate(p, stream_tag(1));
+  void* q = a.allocate(3 * MiB, 0, stream_tag(2));
   CHECK(q != p);
   // A small block of S2's slab freed on capturing S1: deferred until S1's capture is over.
-  void* small = a.allocate(1000, 0, S(2));
-  a.deallocate(small, S(1));
+  void* small = a.allocate(1000, 0, stream_tag(2));
+  a.deallocate(small, stream_tag(1));
   CHECK(a.stats().deferred == 1);
-  CHECK(end(hb, S(1)) == "");
+  CHECK(end(hb, stream_tag(1)) == "");
   a.trim(0);  // polls deferred frees: S1 no longer captures, its fence is recorded and done
   CHECK(a.stats().deferred == 0);
-  void* r = a.allocate(3 * MiB, 0, S(2));  // S1's free is covered now: S2 may reuse
+  void* r = a.allocate(3 * MiB, 0, stream_tag(2));  // S1's free is covered now: S2 may reuse
   CHECK(r == p);
-  a.deallocate(q, S(2));
-  a.deallocate(r, S(2));
+  a.deallocate(q, stream_tag(2));
+  a.deallocate(r, stream_tag(2));
   CHECK(a.check() == "");
 }
 
@@ -124,18 +125,18 @@ TEST_CASE("capture: memory freed on S while S runs behind is not retired during 
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
   std::vector<void*> v;
-  for (int i = 0; i < 4; ++i) v.push_back(a.allocate(2 * MiB, 0, S(1)));
-  a.deallocate(v[0], S(1));
-  a.deallocate(v[2], S(1));
-  hb->hold_stream(S(1));
-  REQUIRE(hb->begin_capture(S(1)) != 0);
-  void* big = a.allocate(4 * MiB, 0, S(1));  // retiring would record a fence on S1
-  CHECK(end(hb, S(1)) == "");
+  for (int i = 0; i < 4; ++i) v.push_back(a.allocate(2 * MiB, 0, stream_tag(1)));
+  a.deallocate(v[0], stream_tag(1));
+  a.deallocate(v[2], stream_tag(1));
+  hb->hold_stream(stream_tag(1));
+  REQUIRE(hb->begin_capture(stream_tag(1)) != 0);
+  void* big = a.allocate(4 * MiB, 0, stream_tag(1));  // retiring would record a fence on S1
+  CHECK(end(hb, stream_tag(1)) == "");
   CHECK(a.stats().chunks_retired == 0);
-  hb->complete_stream(S(1));
-  a.deallocate(big, S(1));
-  a.deallocate(v[1], S(1));
-  a.deallocate(v[3], S(1));
+  hb->complete_stream(stream_tag(1));
+  a.deallocate(big, stream_tag(1));
+  a.deallocate(v[1], stream_tag(1));
+  a.deallocate(v[3], stream_tag(1));
   a.trim(0);
   CHECK(a.stats().physical == 0);
 }
@@ -144,7 +145,7 @@ TEST_CASE("graph pools: a capture's memory is its own until released; frees insi
   auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
-  const stream_t cs = S(1);
+  const stream_t cs = stream_tag(1);
   auto only = [cs](stream_t s) { return s == cs; };
   REQUIRE(hb->begin_capture(cs) != 0);
   a.begin_pool(7, only);
@@ -156,7 +157,7 @@ TEST_CASE("graph pools: a capture's memory is its own until released; frees insi
   a.deallocate(t, cs);                      // freed during the capture
   void* t2 = a.allocate(100, 0, cs);        // reused by the same capture
   CHECK(t2 == t);
-  void* other = a.allocate(100, 0, S(2));   // another stream: never the pool's memory
+  void* other = a.allocate(100, 0, stream_tag(2));   // another stream: never the pool's memory
   CHECK(a.stats().pool_allocated == in.pool_allocated);
   a.end_pool(7);
   CHECK(end(hb, cs) == "");
@@ -173,7 +174,7 @@ TEST_CASE("graph pools: a capture's memory is its own until released; frees insi
   CHECK(a.stats().pools == 0);
   CHECK(a.stats().pool_held == 0);
   a.deallocate(after, cs);
-  a.deallocate(other, S(2));
+  a.deallocate(other, stream_tag(2));
   a.trim(0);
   CHECK(a.stats().physical == 0);
   CHECK(a.check() == "");
@@ -183,21 +184,21 @@ TEST_CASE("graph pools: two captures share a pool; two pools at once") {
   auto ha = make_host_alloc(opts(), tune());
   [[maybe_unused]] auto* hb = ha.hb;
   auto& a = ha.a;
-  a.begin_pool(1, [](stream_t s) { return s == S(1); });
-  void* x = a.allocate(1 * MiB, 0, S(1));
-  a.deallocate(x, S(1));
+  a.begin_pool(1, [](stream_t s) { return s == stream_tag(1); });
+  void* x = a.allocate(1 * MiB, 0, stream_tag(1));
+  a.deallocate(x, stream_tag(1));
   a.end_pool(1);
-  a.begin_pool(1, [](stream_t s) { return s == S(1); });  // a second capture into the same pool
-  a.begin_pool(2, [](stream_t s) { return s == S(2); });
-  void* y = a.allocate(1 * MiB, 0, S(1));
+  a.begin_pool(1, [](stream_t s) { return s == stream_tag(1); });  // a second capture into the same pool
+  a.begin_pool(2, [](stream_t s) { return s == stream_tag(2); });
+  void* y = a.allocate(1 * MiB, 0, stream_tag(1));
   CHECK(y == x);  // the shared pool's memory
-  void* z = a.allocate(1 * MiB, 0, S(2));
+  void* z = a.allocate(1 * MiB, 0, stream_tag(2));
   CHECK(z != x);
   CHECK(a.stats().pools == 2);
   a.end_pool(2);
   a.end_pool(1);
-  a.deallocate(y, S(1));
-  a.deallocate(z, S(2));
+  a.deallocate(y, stream_tag(1));
+  a.deallocate(z, stream_tag(2));
   a.release_pool(1);
   a.release_pool(2);
   CHECK(a.stats().pools == 0);
@@ -211,14 +212,14 @@ TEST_CASE("graph pools: bad input is a clear error and loses nothing") {
   CHECK_THROWS_WITH_AS(a.end_pool(3), doctest::Contains("never begun"), vmm::error);
   CHECK_THROWS_WITH_AS(a.release_pool(3), doctest::Contains("no such pool"), vmm::error);
   a.begin_pool(3);
-  void* p = a.allocate(4096, 0, S(1));
+  void* p = a.allocate(4096, 0, stream_tag(1));
   CHECK_THROWS_WITH_AS(a.release_pool(3), doctest::Contains("still allocates"), vmm::error);
   a.end_pool(3);
   CHECK_THROWS_WITH_AS(a.end_pool(3), doctest::Contains("never begun"), vmm::error);
   a.release_pool(3);
   CHECK_THROWS_WITH_AS(a.begin_pool(3), doctest::Contains("released"), vmm::error);
   CHECK(a.usable_size(p) >= 4096);  // still a live block of the released pool
-  a.deallocate(p, S(1));
+  a.deallocate(p, stream_tag(1));
   CHECK(a.stats().pools == 0);
   CHECK(a.check() == "");
 }
@@ -231,8 +232,8 @@ TEST_CASE("graph pools through the C API") {
   vmm_allocator* a = nullptr;
   REQUIRE(vmm_create(&pol, &a) == VMM_SUCCESS);
   auto filter = [](void* s, void* user) { return s == user ? 1 : 0; };
-  REQUIRE(vmm_begin_pool(a, 5, filter, S(1)) == VMM_SUCCESS);
-  void* p = vmm_malloc_async(a, 1 << 20, S(1));
+  REQUIRE(vmm_begin_pool(a, 5, filter, stream_tag(1)) == VMM_SUCCESS);
+  void* p = vmm_malloc_async(a, 1 << 20, stream_tag(1));
   REQUIRE(p != nullptr);
   vmm_stats st{};
   REQUIRE(vmm_get_stats(a, &st) == VMM_SUCCESS);
@@ -242,7 +243,7 @@ TEST_CASE("graph pools through the C API") {
   CHECK(std::strstr(vmm_last_error(), "still allocates") != nullptr);
   CHECK(vmm_end_pool(a, 5) == VMM_SUCCESS);
   CHECK(vmm_end_pool(a, 5) == VMM_ERROR_INVALID_VALUE);
-  CHECK(vmm_free_async(a, p, S(1)) == VMM_SUCCESS);
+  CHECK(vmm_free_async(a, p, stream_tag(1)) == VMM_SUCCESS);
   CHECK(vmm_release_pool(a, 5) == VMM_SUCCESS);
   REQUIRE(vmm_get_stats(a, &st) == VMM_SUCCESS);
   CHECK(st.pools == 0);
@@ -257,10 +258,10 @@ TEST_CASE("graph pools: pool_stats, pool_of and owns say where a block lives") {
   allocator::pool_info pi;
   allocator::pool_id id = 0;
   CHECK_FALSE(a.pool_stats(4, pi));                  // never begun
-  void* outside = a.allocate(3 * MiB, 0, S(2));
-  a.begin_pool(4, [](stream_t s) { return s == S(1); });
-  void* small = a.allocate(100, 0, S(1));
-  void* big = a.allocate(5 * MiB, 0, S(1));
+  void* outside = a.allocate(3 * MiB, 0, stream_tag(2));
+  a.begin_pool(4, [](stream_t s) { return s == stream_tag(1); });
+  void* small = a.allocate(100, 0, stream_tag(1));
+  void* big = a.allocate(5 * MiB, 0, stream_tag(1));
   REQUIRE(a.pool_stats(4, pi));
   CHECK(pi.live == 2);
   CHECK(pi.allocated >= 5 * MiB + 100);
@@ -278,15 +279,15 @@ TEST_CASE("graph pools: pool_stats, pool_of and owns say where a block lives") {
   CHECK_FALSE(a.owns(&local));
   CHECK_FALSE(a.pool_of(&local, id));
   a.end_pool(4);
-  a.deallocate(small, S(1));
+  a.deallocate(small, stream_tag(1));
   CHECK_FALSE(a.pool_of(small, id));                           // freed
   a.release_pool(4);
   REQUIRE(a.pool_stats(4, pi));                                // one live block keeps it
   CHECK(pi.released);
   CHECK(pi.live == 1);
-  a.deallocate(big, S(1));
+  a.deallocate(big, stream_tag(1));
   CHECK_FALSE(a.pool_stats(4, pi));                            // dropped with its last block
-  a.deallocate(outside, S(2));
+  a.deallocate(outside, stream_tag(2));
   CHECK(a.check() == "");
 }
 
@@ -301,9 +302,9 @@ TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by ca
     auto ha = make_host_alloc(opts(), tune());
     [[maybe_unused]] auto* hb = ha.hb;
     auto& a = ha.a;
-    const stream_t cs = S(1);
+    const stream_t cs = stream_tag(1);
     if (held)  // the GPU runs behind: every fence stays pending
-      for (int i : {1, 5, 6}) hb->hold_stream(S(i));
+      for (int i : {1, 5, 6}) hb->hold_stream(stream_tag(i));
     std::vector<void*> w;
     for (int i = 0; i < 4; ++i) w.push_back(a.allocate(n, 0, cs));
     for (void* p : w) a.deallocate(p, cs);
@@ -324,7 +325,7 @@ TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by ca
     std::memset(t3, 3, n);
     void* out = a.allocate(n, 0, cs);
     std::memset(out, 4, n);
-    void* other = a.allocate(n, 0, S(5));
+    void* other = a.allocate(n, 0, stream_tag(5));
     allocator::pool_id in = 0;
     CHECK_FALSE(a.pool_of(other, in));
     CHECK(a.pool_of(t2, in));
@@ -332,10 +333,10 @@ TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by ca
     a.end_pool(7);
     a.deallocate(t2, cs);
     a.deallocate(t3, cs);
-    a.deallocate(other, S(5));
+    a.deallocate(other, stream_tag(5));
     for (int r = 0; r < 3; ++r) {
       void* x = a.allocate(n, 0, cs);
-      void* y = a.allocate(n, 0, S(6));
+      void* y = a.allocate(n, 0, stream_tag(6));
       for (void* p : {t1, t2, t3, out}) {
         auto lo = reinterpret_cast<std::uintptr_t>(p);
         for (void* q : {x, y}) {
@@ -347,10 +348,10 @@ TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by ca
       std::memset(y, 6, n);
       CHECK(static_cast<unsigned char*>(out)[n - 1] == 4);
       a.deallocate(x, cs);
-      a.deallocate(y, S(6));
+      a.deallocate(y, stream_tag(6));
     }
     if (held)  // the GPU test synchronizes before releasing the pool
-      for (int i : {1, 5, 6}) hb->complete_stream(S(i));
+      for (int i : {1, 5, 6}) hb->complete_stream(stream_tag(i));
     a.release_pool(7);
     CHECK(a.stats().pools == 1);
     a.deallocate(out, cs);

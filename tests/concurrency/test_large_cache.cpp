@@ -14,12 +14,13 @@
 #include "frontend/allocator_access.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
+#include "support/stream_tag.hpp"
 
 using namespace vmm;
+using vmm::test::stream_tag;
 
 namespace {
 constexpr std::size_t KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024;
-stream_t S(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
 // Huge from 32 MiB: both paths with small sizes.
 allocator make() {
   options o;
@@ -90,12 +91,12 @@ TEST_CASE("large cache: another thread frees the block; the owner's stale refere
 
 TEST_CASE("large cache: record_stream keeps the block out of the cache (its free waits for the stream)") {
   auto a = make();
-  void* p = a.allocate(1 * MiB, 0, S(1));
-  a.record_stream(p, S(2));
-  a.deallocate(p, S(1));
-  void* q = a.allocate(1 * MiB, 0, S(1));
+  void* p = a.allocate(1 * MiB, 0, stream_tag(1));
+  a.record_stream(p, stream_tag(2));
+  a.deallocate(p, stream_tag(1));
+  void* q = a.allocate(1 * MiB, 0, stream_tag(1));
   CHECK(a.check() == "");
-  a.deallocate(q, S(1));
+  a.deallocate(q, stream_tag(1));
   CHECK(a.stats().live == 0);
 }
 

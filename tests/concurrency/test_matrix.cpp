@@ -27,8 +27,10 @@
 #include "support/growth_matrix.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
+#include "support/stream_tag.hpp"
 
 using namespace vmm;
+using vmm::test::stream_tag;
 
 namespace {
 
@@ -40,7 +42,6 @@ constexpr int kDefaultMs = 150;
 
 constexpr int kStreams = 16;  // thread i's stream is tag i + 1 (the cells have at most 16 threads)
 
-stream_t tag(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
 
 struct host_env {
   using stream_type = stream_t;
@@ -63,7 +64,7 @@ struct host_env {
     holder = std::thread([this] {  // the GPU running behind: a stream's fences pend 0.2-1 ms
       std::mt19937_64 r(0x401d);
       while (!stop.load()) {
-        const stream_t s = tag(1 + static_cast<int>(r() % kStreams));
+        const stream_t s = stream_tag(1 + static_cast<int>(r() % kStreams));
         hb->hold_stream(s);
         std::this_thread::sleep_for(std::chrono::microseconds(200 + r() % 800));
         hb->complete_stream(s);
@@ -71,7 +72,7 @@ struct host_env {
     });
     return a;
   }
-  stream_t stream(int i) { return tag(i + 1); }
+  stream_t stream(int i) { return stream_tag(i + 1); }
   // A kernel: writes the block when its stream runs, late while the holder holds it. A block the
   // allocator gave to another stream, or unmapped, before this landed shows as wrong bytes there
   // (or a fault here).
@@ -100,7 +101,7 @@ struct host_env {
   }
   void quiesce() {
     stop_holder();
-    for (int i = 0; i <= kStreams; ++i) hb->complete_stream(i ? tag(i) : nullptr);
+    for (int i = 0; i <= kStreams; ++i) hb->complete_stream(i ? stream_tag(i) : nullptr);
   }
   std::size_t free_memory() { return host_backend_options{}.physical_limit; }  // a fresh backend's
   // After the cell's allocator is destroyed: no handle, mapping or reservation left behind.

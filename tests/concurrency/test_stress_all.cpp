@@ -42,6 +42,7 @@
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
+#include "support/stream_tag.hpp"
 
 using namespace vmm;
 using namespace vmm::test;
@@ -61,7 +62,6 @@ int run_ms() {
   return e && std::atoi(e) > 0 ? std::atoi(e) : kDefaultMs;
 }
 
-stream_t tag(int i) { return i ? reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)) : nullptr; }
 constexpr int kStreams = 4;    // nullptr, 1, 2, 3
 constexpr int kHeldStream = 3;  // the one the streams thread holds
 
@@ -134,7 +134,7 @@ bool verify(shared_state& s, const block& b, const char* who) {
 
 void free_block(shared_state& s, allocator& a, const block& b, int on_stream, const char* who) {
   verify(s, b, who);
-  status st = a.try_deallocate(b.p, tag(on_stream));
+  status st = a.try_deallocate(b.p, stream_tag(on_stream));
   if (!st.ok()) s.t.fail(std::string(who) + ": free failed: " + st.message());
   ++s.t.frees;
   if (on_stream != b.stream) ++s.t.cross_stream;
@@ -152,7 +152,7 @@ void worker(shared_state& s, int w) {
       block b;
       b.n = pick_size(r);
       b.stream = static_cast<int>(r() % kStreams);
-      b.p = a.try_allocate(b.n, 0, tag(b.stream));
+      b.p = a.try_allocate(b.n, 0, stream_tag(b.stream));
       if (!b.p) {
         if (last_error().st.kind == errc::out_of_memory) ++s.t.oom;
         else s.t.fail("allocate(" + std::to_string(b.n) + "): " + last_error().message);
@@ -174,7 +174,7 @@ void worker(shared_state& s, int w) {
     } else if (k < 70) {  // used on another stream too: reused only once that stream is done
       const int other = (b.stream + 1 + static_cast<int>(r() % (kStreams - 1))) % kStreams;
       try {
-        a.record_stream(b.p, tag(other));
+        a.record_stream(b.p, stream_tag(other));
         ++s.t.recorded;
       } catch (const std::exception& e) {
         s.t.fail(std::string("record_stream: ") + e.what());
@@ -257,12 +257,12 @@ void ipc_worker(shared_state& s) {
 void stream_holder(shared_state& s) {
   std::mt19937_64 r(0x57);
   while (!s.stop.load(std::memory_order_relaxed)) {
-    s.hb->hold_stream(tag(kHeldStream));
+    s.hb->hold_stream(stream_tag(kHeldStream));
     std::this_thread::sleep_for(std::chrono::milliseconds(2 + r() % 15));
-    s.hb->complete_stream(tag(kHeldStream));
+    s.hb->complete_stream(stream_tag(kHeldStream));
     std::this_thread::sleep_for(std::chrono::milliseconds(1 + r() % 5));
   }
-  s.hb->complete_stream(tag(kHeldStream));
+  s.hb->complete_stream(stream_tag(kHeldStream));
 }
 
 void admin(shared_state& s) {
@@ -351,7 +351,7 @@ void run_stress(bool limited) {
   std::this_thread::sleep_for(std::chrono::milliseconds(run_ms()));
   s.stop = true;
   for (auto& t : ts) t.join();
-  hb->complete_stream(tag(kHeldStream));
+  hb->complete_stream(stream_tag(kHeldStream));
   for (const block& x : s.exchange) free_block(s, a, x, x.stream, "leftover");
   s.exchange.clear();
 

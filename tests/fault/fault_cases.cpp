@@ -17,6 +17,7 @@
 #include "support/fault_backend.hpp"
 #include "vmmalloc/vmmalloc.h"
 #include "vmmalloc/vmmalloc.hpp"
+#include "support/stream_tag.hpp"
 
 using namespace vmm;
 using namespace vmm::test;
@@ -29,7 +30,6 @@ options small_opts() {
   o.reservation_size = GiB;
   return o;
 }
-stream_t S(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
 }  // namespace
 
 // A chunk whose handle is to be released (trim, release threshold) and whose release() is refused
@@ -107,7 +107,7 @@ TEST_CASE("fault: record_fence failure on a cross-stream small free must not han
   allocator a(make_fault_host(st), small_opts());
   host_backend* hb = st->host;
   REQUIRE(hb);
-  hb->hold_stream(S(2));  // stream 2's work is pending
+  hb->hold_stream(stream_tag(2));  // stream 2's work is pending
 
   // Stream 1 then allocates enough blocks of the class to drain any thread cache and reach the
   // slab's free slots: none of them may be p while stream 2 is pending.
@@ -115,31 +115,31 @@ TEST_CASE("fault: record_fence failure on a cross-stream small free must not han
     std::vector<void*> v;
     bool hit = false;
     for (int i = 0; i < 512; ++i) {
-      v.push_back(a.allocate(1000, 0, S(1)));
+      v.push_back(a.allocate(1000, 0, stream_tag(1)));
       hit |= v.back() == p;
     }
-    for (void* q : v) a.deallocate(q, S(1));
+    for (void* q : v) a.deallocate(q, stream_tag(1));
     return hit;
   };
   SUBCASE("control: no fault -> the slot is held back") {
-    void* p = a.allocate(1000, 0, S(1));
-    a.deallocate(p, S(2));
+    void* p = a.allocate(1000, 0, stream_tag(1));
+    a.deallocate(p, stream_tag(2));
     CHECK_FALSE(reused(p));
   }
   SUBCASE("fault in record_fence") {
-    void* p = a.allocate(1000, 0, S(1));
+    void* p = a.allocate(1000, 0, stream_tag(1));
     st->arm(op::record_fence, 1, fault::not_permitted);
-    status d = a.try_deallocate(p, S(2));
+    status d = a.try_deallocate(p, stream_tag(2));
     CHECK(st->injected() == 1);
     if (d.ok()) {
       CHECK_FALSE(reused(p));  // not back to stream 1 while stream 2 may write it
     } else {                   // refusing the free, with p still allocated, is fine too
       CHECK(a.usable_size(p) > 0);
-      a.deallocate(p, S(2));
+      a.deallocate(p, stream_tag(2));
     }
   }
   CHECK(a.check() == "");
-  hb->complete_stream(S(2));
+  hb->complete_stream(stream_tag(2));
 }
 
 // Before unmapping a chunk the heap waits for the fence of the stream that freed its blocks. When
@@ -150,9 +150,9 @@ TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending 
   allocator a(make_fault_host(st), small_opts());
   host_backend* hb = st->host;
   REQUIRE(hb);
-  hb->hold_stream(S(2));
-  void* p = a.allocate(3 * MiB, 0, S(1));  // large path, its own chunk
-  a.deallocate(p, S(2));                   // freed on stream 2, whose work is pending
+  hb->hold_stream(stream_tag(2));
+  void* p = a.allocate(3 * MiB, 0, stream_tag(1));  // large path, its own chunk
+  a.deallocate(p, stream_tag(2));                   // freed on stream 2, whose work is pending
   const std::size_t mapped = a.stats().mapped;
   REQUIRE(mapped > 0);
 
@@ -173,7 +173,7 @@ TEST_CASE("fault: record_fence failure must not let trim unmap memory a pending 
     CHECK(a.stats().mapped == mapped);  // still mapped: stream 2 may use it
     (void)threw;
   }
-  hb->complete_stream(S(2));
+  hb->complete_stream(stream_tag(2));
   a.trim(0);
   CHECK(a.stats().mapped == 0);
   CHECK(a.check() == "");

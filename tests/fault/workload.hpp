@@ -17,6 +17,7 @@
 #include "support/fault_backend.hpp"
 #include "support/host_alloc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
+#include "support/stream_tag.hpp"
 
 namespace vmm::test {
 
@@ -31,7 +32,6 @@ struct step {
   int stream = 0;         // 0 = default stream (nullptr), i = fake tag (void*)i
 };
 
-inline stream_t stream_tag(int s) { return s ? reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(s)) : nullptr; }
 
 // Options of the sweep: release threshold 64 MiB (frees of big blocks unmap chunks during the
 // workload), 2 GiB VA: the scripts hold under 1 GiB at once, and fill_reservation maps every hole

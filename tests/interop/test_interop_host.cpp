@@ -14,6 +14,9 @@
 
 #include "fake_external_api.hpp"
 #include "vmmalloc/vulkan_interop.hpp"
+#include "support/stream_tag.hpp"
+
+using vmm::test::stream_tag;
 
 using vmm::errc;
 using vmm::vk::external_arena;
@@ -23,7 +26,6 @@ using vmm::vk::semaphore_kind;
 namespace {
 
 constexpr std::uint64_t MiB = 1ull << 20;
-vmm::stream_t S(std::uintptr_t i) { return reinterpret_cast<vmm::stream_t>(i); }
 
 // A real fd standing in for a Vulkan export (a memfd: what the host backend uses for chunks too).
 struct test_fd {
@@ -135,7 +137,7 @@ TEST_CASE("teardown order: the mapped buffer is freed, then the external memory 
   test_fd f;
   external_arena a = external_arena::import(api, f.fd, 4 * MiB, false);
   void* p = a.allocate(4096);
-  a.deallocate(p, S(1));
+  a.deallocate(p, stream_tag(1));
   api->log.clear();
   CHECK(a.close().ok());
   CHECK(api->log == std::vector<std::string>{"free_buffer", "destroy_memory"});
@@ -171,14 +173,14 @@ TEST_CASE("sub-allocation: aligned, disjoint, contents kept, coalesced when free
   const std::uint64_t sizes[] = {1, 255, 256, 257, 4096, 100000, 65536, 3};
   unsigned char tag = 1;
   for (std::uint64_t n : sizes) {
-    void* p = a.allocate(n, 0, S(1));
+    void* p = a.allocate(n, 0, stream_tag(1));
     CHECK(reinterpret_cast<std::uintptr_t>(p) % 256 == 0);
     CHECK(a.owns(p));
     CHECK(a.offset_of(p) == static_cast<std::uint64_t>(static_cast<char*>(p) - static_cast<char*>(a.base())));
     std::memset(p, tag, n);
     live.push_back({p, n, tag++});
   }
-  void* big = a.allocate(4096, 65536, S(1));  // explicit alignment
+  void* big = a.allocate(4096, 65536, stream_tag(1));  // explicit alignment
   CHECK(reinterpret_cast<std::uintptr_t>(big) % 65536 == 0);
   std::memset(big, 0xEE, 4096);
   live.push_back({big, 4096, 0xEE});
@@ -195,7 +197,7 @@ TEST_CASE("sub-allocation: aligned, disjoint, contents kept, coalesced when free
   CHECK(s.allocated >= req);
   CHECK(s.allocated % 256 == 0);
   CHECK(a.check() == "");
-  for (const blk& b : live) a.deallocate(b.p, S(1));
+  for (const blk& b : live) a.deallocate(b.p, stream_tag(1));
   CHECK(a.stats().live == 0);
   CHECK(a.stats().deferred == s.allocated);  // fenced, not yet free
   CHECK(a.synchronize().ok());
@@ -210,37 +212,37 @@ TEST_CASE("stream order: a block freed on s1 goes to s1 at once, to s2 only afte
   auto api = std::make_shared<fake::api>();
   test_fd f;
   external_arena a = external_arena::import(api, f.fd, 3 * MiB, false);  // p, q, r fill it
-  void* p = a.allocate(MiB, 0, S(1));
-  void* q = a.allocate(MiB, 0, S(1));
-  api->hold(S(1));  // s1's work up to the free has not run
-  a.deallocate(p, S(1));
+  void* p = a.allocate(MiB, 0, stream_tag(1));
+  void* q = a.allocate(MiB, 0, stream_tag(1));
+  api->hold(stream_tag(1));  // s1's work up to the free has not run
+  a.deallocate(p, stream_tag(1));
   // Another stream must not get p's memory while s1's fence is pending.
-  void* r = a.allocate(MiB, 0, S(2));
+  void* r = a.allocate(MiB, 0, stream_tag(2));
   CHECK_FALSE(overlap(r, MiB, p, MiB));
   // Nothing left for s2 of that size: the rest is p (deferred on s1).
-  CHECK(a.try_allocate(MiB, 0, S(2)) == nullptr);
+  CHECK(a.try_allocate(MiB, 0, stream_tag(2)) == nullptr);
   try {
-    a.allocate(MiB, 0, S(2));
+    a.allocate(MiB, 0, stream_tag(2));
     FAIL("expected out_of_memory");
   } catch (const vmm::out_of_memory& e) {
     CHECK(std::string(e.what()).find("deferred") != std::string::npos);
   }
   // s1 itself may reuse it: stream order puts the new use behind the free.
-  void* again = a.allocate(MiB / 2, 0, S(1));
+  void* again = a.allocate(MiB / 2, 0, stream_tag(1));
   CHECK(again == p);
   CHECK(a.stats().reused_same_stream == 1);
   CHECK(a.stats().deferred == MiB / 2);  // the other half stays deferred on s1
   CHECK(a.check() == "");
-  CHECK(a.try_allocate(MiB / 2, 0, S(2)) == nullptr);
-  api->release(S(1));  // the fence completes
-  void* late = a.allocate(MiB / 2, 0, S(2));
+  CHECK(a.try_allocate(MiB / 2, 0, stream_tag(2)) == nullptr);
+  api->release(stream_tag(1));  // the fence completes
+  void* late = a.allocate(MiB / 2, 0, stream_tag(2));
   CHECK(late == static_cast<char*>(p) + MiB / 2);
   CHECK(a.stats().deferred == 0);
   CHECK(a.check() == "");
-  a.deallocate(q, S(1));
-  a.deallocate(r, S(2));
-  a.deallocate(again, S(1));
-  a.deallocate(late, S(2));
+  a.deallocate(q, stream_tag(1));
+  a.deallocate(r, stream_tag(2));
+  a.deallocate(again, stream_tag(1));
+  a.deallocate(late, stream_tag(2));
   CHECK(a.synchronize().ok());
   CHECK(a.stats().largest_free == 3 * MiB);
 }
@@ -277,14 +279,14 @@ TEST_CASE("a failed fence record leaves the block live") {
   auto api = std::make_shared<fake::api>();
   test_fd f;
   external_arena a = external_arena::import(api, f.fd, 4 * MiB, false);
-  void* p = a.allocate(4096, 0, S(1));
+  void* p = a.allocate(4096, 0, stream_tag(1));
   api->fail_fence = true;
-  CHECK(a.try_deallocate(p, S(1)).kind == errc::other);
+  CHECK(a.try_deallocate(p, stream_tag(1)).kind == errc::other);
   CHECK(a.owns(p));
   CHECK(a.stats().live == 1);
   CHECK(a.check() == "");
   api->fail_fence = false;
-  CHECK(a.try_deallocate(p, S(1)).ok());
+  CHECK(a.try_deallocate(p, stream_tag(1)).ok());
   CHECK_FALSE(a.owns(p));
 }
 
@@ -300,7 +302,7 @@ TEST_CASE("random allocate/free on three streams keeps every invariant") {
   };
   std::vector<blk> live;
   for (int i = 0; i < 3000; ++i) {
-    const vmm::stream_t s = S(1 + rng() % 3);
+    const vmm::stream_t s = stream_tag(1 + rng() % 3);
     if (rng() % 8 == 0) {
       if (rng() % 2) api->hold(s);
       else api->release(s);
@@ -323,7 +325,7 @@ TEST_CASE("random allocate/free on three streams keeps every invariant") {
   }
   REQUIRE(a.check() == "");
   for (const blk& b : live) a.deallocate(b.p, b.s);
-  for (int s = 1; s <= 3; ++s) api->release(S(s));
+  for (int s = 1; s <= 3; ++s) api->release(stream_tag(s));
   CHECK(a.synchronize().ok());
   CHECK(a.stats().largest_free == 8 * MiB);
   CHECK(a.check() == "");
@@ -341,20 +343,20 @@ TEST_CASE("external_semaphore: validation, value rules, fd rule") {
   CHECK(external_semaphore::try_import(api, f.fd, semaphore_kind::timeline, e).kind == errc::not_supported);
   CHECK(fake::open_fds() == before);  // the dup of the failed import was closed
   CHECK_FALSE(e.valid());
-  CHECK(e.try_wait(0, S(1)).kind == errc::invalid_value);  // empty
+  CHECK(e.try_wait(0, stream_tag(1)).kind == errc::invalid_value);  // empty
   api->fail_sem_import = false;
 
   external_semaphore bin = external_semaphore::import(api, f.fd, semaphore_kind::binary);
   CHECK(bin.valid());
   CHECK(fake::fd_open(f.fd));
   CHECK(fake::open_fds() == before + 1);  // the importer's dup
-  CHECK(kind_of_throw([&] { bin.signal(1, S(1)); }) == errc::invalid_value);  // binary takes 0
-  CHECK(kind_of_throw([&] { bin.wait(2, S(1)); }) == errc::invalid_value);
-  bin.signal(0, S(1));
-  bin.wait(0, S(2));
+  CHECK(kind_of_throw([&] { bin.signal(1, stream_tag(1)); }) == errc::invalid_value);  // binary takes 0
+  CHECK(kind_of_throw([&] { bin.wait(2, stream_tag(1)); }) == errc::invalid_value);
+  bin.signal(0, stream_tag(1));
+  bin.wait(0, stream_tag(2));
   external_semaphore tl = external_semaphore::import(api, f.fd, semaphore_kind::timeline);
-  tl.signal(7, S(1));
-  tl.wait(7, S(2));
+  tl.signal(7, stream_tag(1));
+  tl.wait(7, stream_tag(2));
   CHECK(std::count(api->log.begin(), api->log.end(), "wait 7 on s2") == 1);
   external_semaphore moved = std::move(tl);
   CHECK_FALSE(tl.valid());
@@ -372,32 +374,32 @@ TEST_CASE("release_after (arena): the block returns to other streams only once t
   external_arena a = external_arena::import(api, f.fd, 2 * MiB, false);
   external_semaphore sem = external_semaphore::import(api, f.fd, semaphore_kind::timeline);
   void* vk_sem = api->last_semaphore();
-  void* p = a.allocate(MiB, 0, S(1));  // used by Vulkan, say
-  void* q = a.allocate(MiB, 0, S(2));
+  void* p = a.allocate(MiB, 0, stream_tag(1));  // used by Vulkan, say
+  void* q = a.allocate(MiB, 0, stream_tag(2));
   api->log.clear();
-  vmm::vk::release_after(sem, 5, a, p, S(1));
+  vmm::vk::release_after(sem, 5, a, p, stream_tag(1));
   // The wait is queued before the fence that guards the block.
   CHECK(api->log == std::vector<std::string>{"wait 5 on s1", "record_fence on s1"});
-  a.deallocate(q, S(2));
+  a.deallocate(q, stream_tag(2));
   CHECK(a.synchronize().kind == errc::other);  // p's fence cannot complete: the fake refuses to block
   // s2 gets q's block back, never p's, while the semaphore is below 5.
-  void* r = a.allocate(MiB, 0, S(2));
+  void* r = a.allocate(MiB, 0, stream_tag(2));
   CHECK(r == q);
-  CHECK(a.try_allocate(MiB, 0, S(2)) == nullptr);
+  CHECK(a.try_allocate(MiB, 0, stream_tag(2)) == nullptr);
   fake::api::set_value(vk_sem, 4);
-  CHECK(a.try_allocate(MiB, 0, S(2)) == nullptr);
+  CHECK(a.try_allocate(MiB, 0, stream_tag(2)) == nullptr);
   fake::api::set_value(vk_sem, 5);  // Vulkan signalled
-  void* late = a.allocate(MiB, 0, S(2));
+  void* late = a.allocate(MiB, 0, stream_tag(2));
   CHECK(late == p);
   CHECK(a.check() == "");
   // Bad pointers queue nothing.
   api->log.clear();
   int local = 0;
-  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 6, a, &local, S(1)); }) == errc::invalid_pointer);
-  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 6, a, static_cast<char*>(late) + 256, S(1)); }) ==
+  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 6, a, &local, stream_tag(1)); }) == errc::invalid_pointer);
+  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 6, a, static_cast<char*>(late) + 256, stream_tag(1)); }) ==
         errc::invalid_pointer);
   CHECK(api->log.empty());
-  CHECK(api->waits_on(S(1)) == 1);
+  CHECK(api->waits_on(stream_tag(1)) == 1);
 }
 
 TEST_CASE("release_after (vmm::allocator): wait queued on the stream, then the stream-ordered free") {
@@ -405,25 +407,25 @@ TEST_CASE("release_after (vmm::allocator): wait queued on the stream, then the s
   test_fd f;
   vmm::allocator alloc = vmm::allocator::host();
   external_semaphore sem = external_semaphore::import(api, f.fd, semaphore_kind::timeline);
-  void* p = alloc.allocate(MiB, 0, S(1));
+  void* p = alloc.allocate(MiB, 0, stream_tag(1));
   api->log.clear();
-  vmm::vk::release_after(sem, 3, alloc, p, S(1));
+  vmm::vk::release_after(sem, 3, alloc, p, stream_tag(1));
   CHECK(api->log == std::vector<std::string>{"wait 3 on s1"});
   CHECK(alloc.usable_size(p) == 0);  // freed
   CHECK(alloc.stats().frees == 1);
   // Foreign or freed pointers: nothing queued, the allocator untouched.
   api->log.clear();
   int local = 0;
-  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 4, alloc, &local, S(1)); }) == errc::invalid_pointer);
-  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 4, alloc, p, S(1)); }) == errc::invalid_pointer);
-  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 4, alloc, nullptr, S(1)); }) == errc::invalid_pointer);
+  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 4, alloc, &local, stream_tag(1)); }) == errc::invalid_pointer);
+  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 4, alloc, p, stream_tag(1)); }) == errc::invalid_pointer);
+  CHECK(kind_of_throw([&] { vmm::vk::release_after(sem, 4, alloc, nullptr, stream_tag(1)); }) == errc::invalid_pointer);
   CHECK(api->log.empty());
   CHECK(alloc.stats().frees == 1);
   CHECK(alloc.check() == "");
   // A binary semaphore with a value is refused before anything is queued or freed.
   external_semaphore bin = external_semaphore::import(api, f.fd, semaphore_kind::binary);
-  void* r = alloc.allocate(4096, 0, S(1));
-  CHECK(kind_of_throw([&] { vmm::vk::release_after(bin, 1, alloc, r, S(1)); }) == errc::invalid_value);
+  void* r = alloc.allocate(4096, 0, stream_tag(1));
+  CHECK(kind_of_throw([&] { vmm::vk::release_after(bin, 1, alloc, r, stream_tag(1)); }) == errc::invalid_value);
   CHECK(alloc.usable_size(r) != 0);
-  alloc.deallocate(r, S(1));
+  alloc.deallocate(r, stream_tag(1));
 }

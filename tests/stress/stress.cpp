@@ -42,6 +42,7 @@
 #include "support/fault_backend.hpp"
 #include "vmmalloc/options.hpp"
 #include "vmmalloc/vmmalloc.hpp"
+#include "support/stream_tag.hpp"
 
 using namespace vmm;
 using namespace vmm::test;
@@ -83,7 +84,6 @@ void fail(const std::string& what) {
   std::fprintf(stderr, "vmm-stress: ERROR %s\n", what.c_str());
 }
 
-stream_t tag(unsigned s) { return s ? reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(s)) : nullptr; }
 
 struct shared_pool {
   std::mutex mu;
@@ -91,7 +91,7 @@ struct shared_pool {
 };
 
 void check_and_free(allocator& a, const blk& b, unsigned stream) {
-  stream_t s = tag(stream);
+  stream_t s = stream_tag(stream);
   if (stream != b.stream) g_cross_stream.fetch_add(1);
   std::size_t bad;
   g_bytes_verified.fetch_add(verify_block(b.p, b.size, b.id, &bad));
@@ -123,7 +123,7 @@ void worker(allocator& a, const config& c, unsigned t, shared_pool& pool) {
       g_trims.fetch_add(1);
     } else if (r < 0.005 && !live.empty()) {  // record_stream on a live block
       try {
-        a.record_stream(live[rng() % live.size()].p, tag(1 + rng() % std::max(1u, c.streams)));
+        a.record_stream(live[rng() % live.size()].p, stream_tag(1 + rng() % std::max(1u, c.streams)));
       } catch (const std::exception& e) {
         fail(std::string("record_stream failed: ") + e.what());
       }
@@ -158,7 +158,7 @@ void worker(allocator& a, const config& c, unsigned t, shared_pool& pool) {
         g_aligned.fetch_add(1);
       }
       unsigned s = rstream();
-      void* p = a.try_allocate(n, align, tag(s));
+      void* p = a.try_allocate(n, align, stream_tag(s));
       if (!p) {
         fail("allocate(" + std::to_string(n) + ") failed: " + last_error().message);
         continue;
@@ -282,7 +282,7 @@ int main(int argc, char** argv) {
       holder = std::thread([&] {
         std::mt19937_64 rng(c.seed ^ 0xabcdef);
         while (!done.load()) {
-          stream_t s = tag(1 + static_cast<unsigned>(rng() % std::max(1u, c.streams)));
+          stream_t s = stream_tag(1 + static_cast<unsigned>(rng() % std::max(1u, c.streams)));
           hb->hold_stream(s);
           holds.fetch_add(1);
           std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % 800));
@@ -295,7 +295,7 @@ int main(int argc, char** argv) {
     for (auto& x : th) x.join();
     done.store(true);
     if (holder.joinable()) holder.join();
-    for (unsigned s = 0; s <= c.streams; ++s) hb->complete_stream(tag(s));
+    for (unsigned s = 0; s <= c.streams; ++s) hb->complete_stream(stream_tag(s));
     for (auto& b : pool.q) check_and_free(a, b, 0);
     end = a.stats();
     if (c.hold_streams) std::printf("  stream holds %llu, frees still deferred at the end %llu\n",

@@ -12,13 +12,13 @@
 #include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
+#include "support/stream_tag.hpp"
 
 using namespace vmm;
 using namespace vmm::test;
 
 namespace {
 constexpr std::size_t MiB = std::size_t{1} << 20, GiB = std::size_t{1} << 30;
-stream_t S(int i) { return reinterpret_cast<stream_t>(static_cast<std::uintptr_t>(i)); }
 options opts() {
   options o;
   o.reservation_size = GiB;
@@ -37,17 +37,17 @@ TEST_CASE("streams: growth next to a free tail held by a pending stream serves t
   allocator a(make_fault_host(st), opts());
   host_backend* hb = st->host;
   REQUIRE(hb);
-  hb->hold_stream(S(2));
-  void* x = a.allocate(1 * MiB, 0, S(1));  // first chunk: [x: 1 MiB][free tail: 1 MiB]
-  void* y = a.allocate(1 * MiB, 0, S(1));  // takes the tail
-  a.deallocate(y, S(2));                   // the tail is free, tagged stream 2 (pending)
-  void* z = a.try_allocate(3 * MiB, 0, S(1));
+  hb->hold_stream(stream_tag(2));
+  void* x = a.allocate(1 * MiB, 0, stream_tag(1));  // first chunk: [x: 1 MiB][free tail: 1 MiB]
+  void* y = a.allocate(1 * MiB, 0, stream_tag(1));  // takes the tail
+  a.deallocate(y, stream_tag(2));                   // the tail is free, tagged stream 2 (pending)
+  void* z = a.try_allocate(3 * MiB, 0, stream_tag(1));
   CHECK(z != nullptr);
   if (!z) MESSAGE("last_error: " << last_error().message);
   CHECK(a.check() == "");
-  if (z) a.deallocate(z, S(1));
-  a.deallocate(x, S(1));
-  hb->complete_stream(S(2));
+  if (z) a.deallocate(z, stream_tag(1));
+  a.deallocate(x, stream_tag(1));
+  hb->complete_stream(stream_tag(2));
   a.trim(0);
   CHECK(a.stats().mapped == 0);
 }
@@ -103,32 +103,32 @@ TEST_CASE("streams: a free covered by a completed fence stays usable when a newe
   host_backend* hb = st->host;
   REQUIRE(hb);
   // span P: [x 1 MiB][t 7 MiB] at the base, one 8 MiB chunk (a block of 8 MiB grows by its size)
-  a.deallocate(a.allocate(8 * MiB, 0, S(1)), S(1));
-  void* x = a.allocate(1 * MiB, 0, S(1));
-  void* t = a.allocate(7 * MiB, 0, S(1));
+  a.deallocate(a.allocate(8 * MiB, 0, stream_tag(1)), stream_tag(1));
+  void* x = a.allocate(1 * MiB, 0, stream_tag(1));
+  void* t = a.allocate(7 * MiB, 0, stream_tag(1));
   // a huge block right after P, so that the next span Q starts further up
-  void* h = a.allocate(64 * MiB, 0, S(1));
+  void* h = a.allocate(64 * MiB, 0, stream_tag(1));
   // span Q: [q 1 MiB][z 7 MiB], one 8 MiB chunk too
-  a.deallocate(a.allocate(8 * MiB, 0, S(1)), S(1));
-  void* q = a.allocate(1 * MiB, 0, S(1));
-  void* z = a.allocate(7 * MiB, 0, S(1));
+  a.deallocate(a.allocate(8 * MiB, 0, stream_tag(1)), stream_tag(1));
+  void* q = a.allocate(1 * MiB, 0, stream_tag(1));
+  void* z = a.allocate(7 * MiB, 0, stream_tag(1));
   REQUIRE(static_cast<char*>(q) > static_cast<char*>(h));
-  a.deallocate(t, S(2));  // P's tail: free on stream 2 (free #1)
-  a.deallocate(h, S(2));  // free #2
+  a.deallocate(t, stream_tag(2));  // P's tail: free on stream 2 (free #1)
+  a.deallocate(h, stream_tag(2));  // free #2
   a.trim(0);              // unmaps h: records a fence on stream 2 covering #1 and #2; it completes
   CHECK(a.stats().mapped == 16 * MiB);
-  hb->hold_stream(S(2));
-  a.deallocate(z, S(2));  // Q's tail: free #3, not covered; stream 2 now pending
+  hb->hold_stream(stream_tag(2));
+  a.deallocate(z, stream_tag(2));  // Q's tail: free #3, not covered; stream 2 now pending
   // 20 MiB on stream 1: grow() counts P's tail (covered by the completed fence) and extends P by
   // 14 MiB; examining Q on the way records a new (pending) fence on stream 2.
-  void* big = a.try_allocate(20 * MiB, 0, S(1));
+  void* big = a.try_allocate(20 * MiB, 0, stream_tag(1));
   CHECK(big != nullptr);
   if (!big) MESSAGE("last_error: " << last_error().message);
   CHECK(a.check() == "");
-  if (big) a.deallocate(big, S(1));
-  hb->complete_stream(S(2));
-  a.deallocate(x, S(1));
-  a.deallocate(q, S(1));
+  if (big) a.deallocate(big, stream_tag(1));
+  hb->complete_stream(stream_tag(2));
+  a.deallocate(x, stream_tag(1));
+  a.deallocate(q, stream_tag(1));
   a.trim(0);
   CHECK(a.stats().mapped == 0);
 }
@@ -149,17 +149,17 @@ TEST_CASE("streams: a growth that maps a retired handle joins the free tail it e
   allocator a(make_fault_host(st), o);
   host_backend* hb = st->host;
   REQUIRE(hb);
-  void* q = a.allocate(2 * MiB, 0, S(1));  // span: [q 2 MiB], one chunk
-  void* p = a.allocate(1 * MiB, 0, S(2));  // extends it: [q][p 1 MiB][free tail, untagged]
-  hb->hold_stream(S(1));
-  a.deallocate(q, S(1));  // q's chunk is wholly free, and stream 1 may still be using it
+  void* q = a.allocate(2 * MiB, 0, stream_tag(1));  // span: [q 2 MiB], one chunk
+  void* p = a.allocate(1 * MiB, 0, stream_tag(2));  // extends it: [q][p 1 MiB][free tail, untagged]
+  hb->hold_stream(stream_tag(1));
+  a.deallocate(q, stream_tag(1));  // q's chunk is wholly free, and stream 1 may still be using it
   const allocator_stats before = a.stats();
   const std::size_t tail = before.mapped - 3 * MiB;
   REQUIRE(tail >= 1 * MiB);
   // More than the tail: the growth retires q's chunk for stream 1, maps its handle after the tail
   // (in flight: stream 1's queued work may still write it) and the tail and the range serve the
   // request together, in one growth.
-  void* z = a.try_allocate(tail + 3 * MiB, 0, S(1));
+  void* z = a.try_allocate(tail + 3 * MiB, 0, stream_tag(1));
   CHECK(z != nullptr);
   if (!z) MESSAGE("last_error: " << last_error().message);
   const allocator_stats after = a.stats();
@@ -167,9 +167,9 @@ TEST_CASE("streams: a growth that maps a retired handle joins the free tail it e
   CHECK(after.grows == before.grows + 1);
   CHECK(static_cast<char*>(z) == static_cast<char*>(p) + 1 * MiB);  // the tail's start
   CHECK(a.check() == "");
-  if (z) a.deallocate(z, S(1));
-  a.deallocate(p, S(2));
-  hb->complete_stream(S(1));
+  if (z) a.deallocate(z, stream_tag(1));
+  a.deallocate(p, stream_tag(2));
+  hb->complete_stream(stream_tag(1));
   a.trim(0);
   CHECK(a.stats().mapped == 0);
 }

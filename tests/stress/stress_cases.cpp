@@ -173,3 +173,51 @@ TEST_CASE("streams: a growth that maps a retired handle joins the free tail it e
   a.trim(0);
   CHECK(a.stats().mapped == 0);
 }
+
+// The same in the hole between two spans (a chunk given back from a span's middle): grow() planned
+// one block of the first span's free tail, the hole and the next span's free head, but a hole
+// mapped from a retired handle joined neither of them, and the head (freed on another stream, its
+// fence completed) joined only a block of its own tag.
+TEST_CASE("streams: a retired handle mapped into a hole joins the free blocks on both sides [regression: heap::join_next_span]") {
+  options o = opts();
+  o.thread_cache = false;
+  o.memory_limit = 256 * MiB;
+  tuning tn;
+  tn.max_growth = 2 * MiB;  // every growth maps what the request needs: one chunk of 2 MiB each
+  auto st = std::make_shared<fault_state>();
+  allocator a = allocator_access::make(make_fault_host(st), o, tn);
+  host_backend* hb = st->host;
+  REQUIRE(hb);
+  // One span of four chunks: [x1 x2][b][c1 c2][e]
+  void* x1 = a.allocate(1 * MiB, 0, stream_tag(2));
+  void* x2 = a.allocate(1 * MiB, 0, stream_tag(2));
+  void* b = a.allocate(2 * MiB, 0, stream_tag(2));
+  void* c1 = a.allocate(1 * MiB, 0, stream_tag(2));
+  void* c2 = a.allocate(1 * MiB, 0, stream_tag(2));
+  void* e = a.allocate(2 * MiB, 0, stream_tag(1));
+  REQUIRE(static_cast<char*>(e) == static_cast<char*>(x1) + 6 * MiB);
+  a.deallocate(x2, stream_tag(2));
+  a.deallocate(b, stream_tag(2));
+  a.deallocate(c1, stream_tag(2));
+  a.trim(0);  // gives b's chunk back: [x1 free][hole][free c2] [e]; stream 2's fence completed
+  REQUIRE(a.stats().mapped == 6 * MiB);
+  hb->hold_stream(stream_tag(1));
+  a.deallocate(e, stream_tag(1));  // e's chunk is wholly free, and stream 1 may still be using it
+  const allocator_stats before = a.stats();
+  // 3.5 MiB fits the free 1 MiB, the 2 MiB hole and the free 1 MiB after it: the growth retires
+  // e's chunk and maps its handle into the hole, in flight, and one block serves the request.
+  void* z = a.try_allocate(3 * MiB + MiB / 2, 0, stream_tag(1));
+  CHECK(z != nullptr);
+  if (!z) MESSAGE("last_error: " << last_error().message);
+  const allocator_stats after = a.stats();
+  CHECK(after.chunks_retired == before.chunks_retired + 1);
+  CHECK(after.grows == before.grows + 1);
+  CHECK(static_cast<char*>(z) == static_cast<char*>(x1) + 1 * MiB);
+  CHECK(a.check() == "");
+  if (z) a.deallocate(z, stream_tag(1));
+  a.deallocate(x1, stream_tag(2));
+  a.deallocate(c2, stream_tag(2));
+  hb->complete_stream(stream_tag(1));
+  a.trim(0);
+  CHECK(a.stats().mapped == 0);
+}

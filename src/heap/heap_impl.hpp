@@ -341,9 +341,10 @@ struct heap::impl {
   void join_next_span(block* sentinel, stream_t x);
   // A span's first block starting at p (nullptr when none).
   block* span_head_at(std::uintptr_t p) const;
-  // Whether free blocks l and r, l on the left, become one block where they meet: both fresh,
-  // the same stream's, or l fresh taking r's tag where x may use r.
-  bool joinable(const block* l, block* r, stream_t x);
+  // A free block whose stream's fence covers its free is free for every stream: its tag goes,
+  // and it coalesces with an untagged free neighbour on the side named (the caller rebuilds the
+  // other). Returns the block that holds it.
+  block* drop_covered_tag(block* b, bool left);
   // Fresh memory b (never handed out) takes `from`'s stream tag, so the two can serve one request.
   static void take_tag(block* b, const block* from) {
     b->flags = from->flags & (f_free | f_tagged);

@@ -65,6 +65,7 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
   if (it != span_ends.end()) {
     block* s = it->second;
     block* tail = s->prev_phys;
+    if (tail->flags & f_free) tail = drop_covered_tag(tail, true);
     nb->prev_phys = tail;
     nb->next_phys = s;
     tail->next_phys = nb;
@@ -74,10 +75,9 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
     span_ends[s->addr] = s;
     sentinel = s;
     link_page(nb);
-    // A free tail x may use joins the range, as grow() planned. A tagged range (x may still be
-    // writing it) tags the tail x's too: stricter for other streams, never looser, since the
-    // tail's own tag, if any, is x's or one whose fence already completed.
-    if ((tail->flags & f_free) && !(tail->flags & f_sentinel) && usable(tail, x)) {
+    // A free tail x may use joins the range, as grow() planned: the tail is untagged or x's
+    // (a completed tag is gone), so the joined block is x's where either part is.
+    if ((tail->flags & f_free) && usable(tail, x)) {
       if (freed_seq) take_tag(tail, nb);
       else take_tag(nb, tail);
       remove_free(tail);
@@ -118,7 +118,11 @@ void heap::impl::join_next_span(block* sentinel, stream_t x) {
   t->next_phys = h;
   h->prev_phys = t;
   delete_block(sentinel);
-  if (!(t->flags & f_free) || !(h->flags & f_free) || !joinable(t, h, x)) return;
+  if (h->flags & f_free) h = drop_covered_tag(h, false);
+  // The two join only where x may use both, each then untagged or x's (the new memory is; a
+  // completed tag is gone): joining a block x may not use yet would make the whole wait for it,
+  // and the request grown for would not fit.
+  if (!(t->flags & f_free) || !(h->flags & f_free) || !usable(t, x) || !usable(h, x)) return;
   auto merge = [&](block* l, block* r) {
     remove_free(l);
     remove_free(r);
@@ -126,20 +130,31 @@ void heap::impl::join_next_span(block* sentinel, stream_t x) {
     insert_free(l);
     return l;
   };
-  const bool retag_h = (t->flags & f_tagged) && !compatible(t, h);
+  // The untagged one takes x's tag, then may coalesce with its other neighbour if that is x's.
   if (!(t->flags & f_tagged) && (h->flags & f_tagged)) {
-    take_tag(t, h);  // tagged so, it may now also coalesce with its own left neighbour
+    take_tag(t, h);
     if (block* l = t->prev_phys; l && compatible(l, t)) t = merge(l, t);
+    merge(t, h);
+  } else if ((t->flags & f_tagged) && !(h->flags & f_tagged)) {
+    take_tag(h, t);
+    t = merge(t, h);
+    if (block* r = t->next_phys; r && compatible(t, r)) merge(t, r);
+  } else {
+    merge(t, h);
   }
-  t = merge(t, h);
-  // h took t's tag: it may now also coalesce with its own right neighbour.
-  if (block* r = t->next_phys; retag_h && r && compatible(t, r)) merge(t, r);
 }
 
-bool heap::impl::joinable(const block* l, block* r, stream_t x) {
-  if (!(l->flags & f_tagged)) return !(r->flags & f_tagged) || usable(r, x);
-  // r takes l's tag: stricter for an untagged r; a tag of r's own may go once its fence completed.
-  return !(r->flags & f_tagged) || l->stream == r->stream || fence_covers(r->stream, r->free_seq);
+heap::impl::block* heap::impl::drop_covered_tag(block* b, bool left) {
+  if (!(b->flags & f_tagged) || !fence_covers(b->stream, b->free_seq)) return b;
+  b->flags = static_cast<std::uint8_t>(b->flags & ~f_tagged);
+  block* n = left ? b->prev_phys : b->next_phys;
+  if (!n || !compatible(left ? n : b, left ? b : n)) return b;
+  block* l = left ? n : b;
+  remove_free(l);
+  remove_free(left ? b : n);
+  absorb(l, left ? b : n);
+  insert_free(l);
+  return l;
 }
 
 status heap::impl::grow(std::size_t need, stream_t x) {
@@ -172,13 +187,11 @@ status heap::impl::grow(std::size_t need, stream_t x) {
     if (!hole || hole >= join_ext) continue;
     block* h = span_head_at(end + hole);
     if (!h || !(h->flags & f_free) || !usable(h, x)) continue;
-    // What one free block the mapping leaves: a free tail this stream may use takes the hole in
-    // (add_span_range), and the head joins them where joinable (join_next_span); without such a
-    // tail the fresh hole takes the head's tag. The joined block keeps x's tag where the mapped
-    // handle's old range may still be written (job::in_flight): it joins no less.
+    // What one free block the mapping leaves: the hole, the head and a free tail, each of which
+    // x may use, join (add_span_range, join_next_span).
     block* t = s->prev_phys;
     std::size_t joined = hole + h->size;
-    if ((t->flags & f_free) && usable(t, x)) joined = t->size + hole + (joinable(t, h, x) ? h->size : 0);
+    if ((t->flags & f_free) && usable(t, x)) joined += t->size;
     if (joined >= need) join_at = end, join_ext = hole;
   }
   // Repeated growth is geometric (driver cost is per call), capped by tuning::max_growth; after a

@@ -221,3 +221,48 @@ TEST_CASE("streams: a retired handle mapped into a hole joins the free blocks on
   a.trim(0);
   CHECK(a.stats().mapped == 0);
 }
+
+// Found by: vmm-stress --hold-streams --locked-growths (a growth made under the lock that did not
+// serve its request). A growth that filled the hole up to the next span joined that span's head,
+// freed on another stream whose fence was still pending, to the tail it had extended: the joined
+// block took the newer free, waited for that fence as a whole, and the request it was grown for
+// did not fit. Now a tail or head whose fence completed loses its tag first, and blocks join only
+// where the stream may use both.
+TEST_CASE("streams: a growth does not join a neighbour the stream may not use yet to the tail it extends [regression: heap::join_next_span]") {
+  options o = opts();
+  o.thread_cache = false;
+  tuning tn;
+  tn.max_growth = 2 * MiB;  // every growth maps what the request needs: one chunk of 2 MiB each
+  auto st = std::make_shared<fault_state>();
+  allocator a = allocator_access::make(make_fault_host(st), o, tn);
+  host_backend* hb = st->host;
+  REQUIRE(hb);
+  // One span of three chunks: [x1 x2][b][c1 c2]
+  void* x1 = a.allocate(1 * MiB, 0, stream_tag(2));
+  void* x2 = a.allocate(1 * MiB, 0, stream_tag(2));
+  void* b = a.allocate(2 * MiB, 0, stream_tag(2));
+  void* c1 = a.allocate(1 * MiB, 0, stream_tag(2));
+  void* c2 = a.allocate(1 * MiB, 0, stream_tag(2));
+  REQUIRE(static_cast<char*>(c2) == static_cast<char*>(x1) + 5 * MiB);
+  a.deallocate(x2, stream_tag(2));
+  a.deallocate(b, stream_tag(2));
+  a.trim(0);  // gives b's chunk back: [x1 free][hole][c1 c2]; stream 2's fence completed
+  REQUIRE(a.stats().mapped == 4 * MiB);
+  hb->hold_stream(stream_tag(2));
+  a.deallocate(c1, stream_tag(2));  // the next span's head: free on stream 2, fence pending
+  const allocator_stats before = a.stats();
+  // 2.5 MiB on stream 1: the free 1 MiB and 2 MiB in the hole, which ends at c1.
+  void* z = a.try_allocate(2 * MiB + MiB / 2, 0, stream_tag(1));
+  CHECK(z != nullptr);
+  if (!z) MESSAGE("last_error: " << last_error().message);
+  const allocator_stats after = a.stats();
+  CHECK(after.grows == before.grows + 1);
+  CHECK(static_cast<char*>(z) == static_cast<char*>(x1) + 1 * MiB);
+  CHECK(a.check() == "");
+  if (z) a.deallocate(z, stream_tag(1));
+  a.deallocate(x1, stream_tag(2));
+  a.deallocate(c2, stream_tag(2));
+  hb->complete_stream(stream_tag(2));
+  a.trim(0);
+  CHECK(a.stats().mapped == 0);
+}

@@ -48,6 +48,11 @@ struct tuning {
   // A huge request nothing else serves splits the smallest larger cached huge block instead of
   // remapping: no driver call, the same memory (real processes: 2-7x fewer driver calls).
   bool split_cached_huge = true;
+  // A request's first this many growths run their driver calls without the allocator's lock, so
+  // other threads allocate meanwhile; one whose new memory then did not serve it (another thread
+  // took the free tail it extends) grows again, and after this many the calls run under the lock.
+  // 0 (tests): every growth runs under the lock and must serve its request.
+  int unlocked_growths = 3;
   // Thread caches: slots per class and thread (a refill or flush moves half), and whether a
   // thread keeps the large block it freed last (off by itself under a release threshold or ipc).
   std::size_t thread_cache_slots = 32;

@@ -92,6 +92,10 @@ allocator& allocator::operator=(allocator&& o) noexcept {
 }
 
 vm::handle_pool& allocator_access::pool(allocator& a) { return *a.p_; }
+std::uint64_t allocator_access::unserved_growths(allocator& a) {
+  std::lock_guard g(a.p_->mu);
+  return a.p_->unserved_growths;
+}
 
 allocator allocator_access::make(std::unique_ptr<backend_iface> b, const options& o, const tuning& t) {
   return allocator(std::move(b), o, t);
@@ -252,25 +256,30 @@ void push_slot(tcache& c, tcache::bin& b, std::uintptr_t u, const heap::slot_ref
 // more as a last resort (everything free goes back first, then exactly the request); a request
 // that found no memory but some a stream is still using waits for those streams without lk, then
 // tries again (kWaitRounds). A growth is adopted and the request asked again under lk, so no
-// other thread takes the new memory first; after kRounds growths (a request the new memory did
-// not serve) the jobs run under lk anyway.
-constexpr int kRounds = 3, kWaitRounds = 2;
+// other thread takes the new memory first; after tuning::unlocked_growths growths (a request the
+// new memory did not serve) the jobs run under lk anyway.
+constexpr int kWaitRounds = 2;
 template <class F>
 result<std::uintptr_t> allocate_growing(allocator_impl& m, std::unique_lock<std::mutex>& lk, F&& attempt) {
   grow_mode mode = m.large_cache ? grow_mode::never : grow_mode::normal;
+  const int unlocked = m.ar->tune().unlocked_growths;
   int grown = 0, waited = 0;
+  bool adopted_locked = false;  // the last round's growth was mapped and adopted under lk
   for (;;) {
     m.hp->defer_waits(waited < kWaitRounds);
     const heap::outcome o = attempt(mode);
     m.hp->defer_waits(false);
     std::vector<stream_t> waits = m.hp->take_waits();
-    const status ran = m.settle(lk, grown < kRounds);
+    const status ran = m.settle(lk, grown < unlocked);
     if (o.addr) return {o.addr, {}};  // a refill may have planned a new slab after its slots
+    if (adopted_locked) ++m.unserved_growths;
+    adopted_locked = false;
     if (o.grows) {
       // Each growth maps memory for this request and it is asked again at once: many rounds are
       // a heap that plans what it cannot use. Said, rather than growing without end.
       if (++grown > 16) return {0, {errc::other, 0, "growth did not serve the request", "allocate"}};
       if (ran.ok()) {  // mapped and adopted under lk: asked again before anyone else can take it
+        adopted_locked = grown > unlocked;  // the driver calls ran under lk too
         if (mode == grow_mode::last_resort) mode = grow_mode::normal;  // its reclaim is done
         continue;
       }

@@ -19,6 +19,8 @@ struct allocator_access {
   static impl& of(allocator& a) { return *a.p_; }
   // The allocator's idle handles, for a growable_buffer that shares them (growable_buffer::shared).
   static vm::handle_pool& pool(allocator& a);
+  // Requests not served by a growth that ran under the allocator's lock (allocator_impl).
+  static std::uint64_t unserved_growths(allocator& a);
 };
 using allocator_impl = allocator_access::impl;
 

@@ -102,6 +102,10 @@ struct allocator::impl final : vm::handle_pool {
   // thread; then commits it under lk and hands a new mapping to its heap. Returns the mapping's
   // outcome (ok when the job had none). Every call into the heap is followed by one.
   status settle(std::unique_lock<std::mutex>& lk, bool drop);
+  // Requests that a growth run and adopted under mu (so no other thread took its memory) did not
+  // serve: a heap that plans what it then cannot use. Always 0 when the heap is right; the stress
+  // test fails on any (allocator_access::unserved_growths).
+  std::uint64_t unserved_growths = 0;
   // Waits without lk for the work queued so far on each stream (a fence recorded on each under
   // lk), then marks what those fences cover done in the own heap (heap::defer_waits). A stream
   // being captured, or whose fence the driver refuses, is left as it is.

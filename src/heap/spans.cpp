@@ -65,7 +65,6 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
   if (it != span_ends.end()) {
     block* s = it->second;
     block* tail = s->prev_phys;
-    if (tail->flags & f_free) tail = drop_covered_tag(tail, true);
     nb->prev_phys = tail;
     nb->next_phys = s;
     tail->next_phys = nb;
@@ -75,8 +74,8 @@ void heap::impl::add_span_range(std::uintptr_t va, std::size_t size, stream_t x,
     span_ends[s->addr] = s;
     sentinel = s;
     link_page(nb);
-    // A free tail x may use joins the range, as grow() planned: the tail is untagged or x's
-    // (a completed tag is gone), so the joined block is x's where either part is.
+    // A free tail x may use joins the range, as grow() planned, under the tail's tag (untagged,
+    // x's, or one whose fence completed), or x's where the range may still be written.
     if ((tail->flags & f_free) && usable(tail, x)) {
       if (freed_seq) take_tag(tail, nb);
       else take_tag(nb, tail);
@@ -118,10 +117,11 @@ void heap::impl::join_next_span(block* sentinel, stream_t x) {
   t->next_phys = h;
   h->prev_phys = t;
   delete_block(sentinel);
+  // Tags whose fences completed go first on both sides of the seam, so that each side is untagged,
+  // x's, or not usable by x. The two join only where x may use both: joining a block x may not
+  // use yet would make the whole wait for it, and the request grown for would not fit.
+  if (t->flags & f_free) t = drop_covered_tag(t, true);
   if (h->flags & f_free) h = drop_covered_tag(h, false);
-  // The two join only where x may use both, each then untagged or x's (the new memory is; a
-  // completed tag is gone): joining a block x may not use yet would make the whole wait for it,
-  // and the request grown for would not fit.
   if (!(t->flags & f_free) || !(h->flags & f_free) || !usable(t, x) || !usable(h, x)) return;
   auto merge = [&](block* l, block* r) {
     remove_free(l);

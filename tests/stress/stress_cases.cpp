@@ -24,6 +24,53 @@ options opts() {
   o.reservation_size = GiB;
   return o;
 }
+
+// One span of three 2 MiB chunks, every block on stream 2: [x1 x2][b][c1 c2] (no thread caches;
+// every growth maps what the request needs, one chunk).
+struct three_chunks {
+  std::shared_ptr<fault_state> st = std::make_shared<fault_state>();
+  allocator a;
+  host_backend* hb;
+  void *x1, *x2, *b, *c1, *c2;
+  explicit three_chunks(options o) : a(make(o, st)), hb(st->host) {
+    REQUIRE(hb);
+    x1 = a.allocate(1 * MiB, 0, stream_tag(2));
+    x2 = a.allocate(1 * MiB, 0, stream_tag(2));
+    b = a.allocate(2 * MiB, 0, stream_tag(2));
+    c1 = a.allocate(1 * MiB, 0, stream_tag(2));
+    c2 = a.allocate(1 * MiB, 0, stream_tag(2));
+    REQUIRE(static_cast<char*>(c2) == static_cast<char*>(x1) + 5 * MiB);
+  }
+  // Frees x1 and c2, lets both streams complete, and checks that trim(0) gives everything back.
+  void finish() {
+    a.deallocate(x1, stream_tag(2));
+    a.deallocate(c2, stream_tag(2));
+    hb->complete_stream(stream_tag(1));
+    hb->complete_stream(stream_tag(2));
+    a.trim(0);
+    CHECK(a.stats().mapped == 0);
+  }
+  static allocator make(options o, const std::shared_ptr<fault_state>& st) {
+    o.thread_cache = false;
+    tuning tn;
+    tn.max_growth = 2 * MiB;
+    return allocator_access::make(make_fault_host(st), o, tn);
+  }
+};
+
+// One request, and the allocator's statistics just before and after it.
+struct request {
+  void* p;
+  allocator_stats before, after;
+};
+request ask(allocator& a, std::size_t n, stream_t s) {
+  request r;
+  r.before = a.stats();
+  r.p = a.try_allocate(n, 0, s);
+  if (!r.p) MESSAGE("last_error: " << last_error().message);
+  r.after = a.stats();
+  return r;
+}
 }  // namespace
 
 // Found by: vmm-stress --threads 4 --ops 20000 --seed 2 --hold-streams ("heap: no block fits after
@@ -153,21 +200,18 @@ TEST_CASE("streams: a growth that maps a retired handle joins the free tail it e
   void* p = a.allocate(1 * MiB, 0, stream_tag(2));  // extends it: [q][p 1 MiB][free tail, untagged]
   hb->hold_stream(stream_tag(1));
   a.deallocate(q, stream_tag(1));  // q's chunk is wholly free, and stream 1 may still be using it
-  const allocator_stats before = a.stats();
-  const std::size_t tail = before.mapped - 3 * MiB;
+  const std::size_t tail = a.stats().mapped - 3 * MiB;
   REQUIRE(tail >= 1 * MiB);
   // More than the tail: the growth retires q's chunk for stream 1, maps its handle after the tail
   // (in flight: stream 1's queued work may still write it) and the tail and the range serve the
   // request together, in one growth.
-  void* z = a.try_allocate(tail + 3 * MiB, 0, stream_tag(1));
-  CHECK(z != nullptr);
-  if (!z) MESSAGE("last_error: " << last_error().message);
-  const allocator_stats after = a.stats();
-  CHECK(after.chunks_retired == before.chunks_retired + 1);
-  CHECK(after.grows == before.grows + 1);
-  CHECK(static_cast<char*>(z) == static_cast<char*>(p) + 1 * MiB);  // the tail's start
+  const request z = ask(a, tail + 3 * MiB, stream_tag(1));
+  CHECK(z.p != nullptr);
+  CHECK(z.after.chunks_retired == z.before.chunks_retired + 1);
+  CHECK(z.after.grows == z.before.grows + 1);
+  CHECK(static_cast<char*>(z.p) == static_cast<char*>(p) + 1 * MiB);  // the tail's start
   CHECK(a.check() == "");
-  if (z) a.deallocate(z, stream_tag(1));
+  if (z.p) a.deallocate(z.p, stream_tag(1));
   a.deallocate(p, stream_tag(2));
   hb->complete_stream(stream_tag(1));
   a.trim(0);
@@ -180,46 +224,28 @@ TEST_CASE("streams: a growth that maps a retired handle joins the free tail it e
 // fence completed) joined only a block of its own tag.
 TEST_CASE("streams: a retired handle mapped into a hole joins the free blocks on both sides [regression: heap::join_next_span]") {
   options o = opts();
-  o.thread_cache = false;
   o.memory_limit = 256 * MiB;
-  tuning tn;
-  tn.max_growth = 2 * MiB;  // every growth maps what the request needs: one chunk of 2 MiB each
-  auto st = std::make_shared<fault_state>();
-  allocator a = allocator_access::make(make_fault_host(st), o, tn);
-  host_backend* hb = st->host;
-  REQUIRE(hb);
-  // One span of four chunks: [x1 x2][b][c1 c2][e]
-  void* x1 = a.allocate(1 * MiB, 0, stream_tag(2));
-  void* x2 = a.allocate(1 * MiB, 0, stream_tag(2));
-  void* b = a.allocate(2 * MiB, 0, stream_tag(2));
-  void* c1 = a.allocate(1 * MiB, 0, stream_tag(2));
-  void* c2 = a.allocate(1 * MiB, 0, stream_tag(2));
-  void* e = a.allocate(2 * MiB, 0, stream_tag(1));
-  REQUIRE(static_cast<char*>(e) == static_cast<char*>(x1) + 6 * MiB);
-  a.deallocate(x2, stream_tag(2));
-  a.deallocate(b, stream_tag(2));
-  a.deallocate(c1, stream_tag(2));
+  three_chunks m(o);
+  allocator& a = m.a;
+  void* e = a.allocate(2 * MiB, 0, stream_tag(1));  // a fourth chunk: [x1 x2][b][c1 c2][e]
+  REQUIRE(static_cast<char*>(e) == static_cast<char*>(m.x1) + 6 * MiB);
+  a.deallocate(m.x2, stream_tag(2));
+  a.deallocate(m.b, stream_tag(2));
+  a.deallocate(m.c1, stream_tag(2));
   a.trim(0);  // gives b's chunk back: [x1 free][hole][free c2] [e]; stream 2's fence completed
   REQUIRE(a.stats().mapped == 6 * MiB);
-  hb->hold_stream(stream_tag(1));
+  m.hb->hold_stream(stream_tag(1));
   a.deallocate(e, stream_tag(1));  // e's chunk is wholly free, and stream 1 may still be using it
-  const allocator_stats before = a.stats();
   // 3.5 MiB fits the free 1 MiB, the 2 MiB hole and the free 1 MiB after it: the growth retires
   // e's chunk and maps its handle into the hole, in flight, and one block serves the request.
-  void* z = a.try_allocate(3 * MiB + MiB / 2, 0, stream_tag(1));
-  CHECK(z != nullptr);
-  if (!z) MESSAGE("last_error: " << last_error().message);
-  const allocator_stats after = a.stats();
-  CHECK(after.chunks_retired == before.chunks_retired + 1);
-  CHECK(after.grows == before.grows + 1);
-  CHECK(static_cast<char*>(z) == static_cast<char*>(x1) + 1 * MiB);
+  const request z = ask(a, 3 * MiB + MiB / 2, stream_tag(1));
+  CHECK(z.p != nullptr);
+  CHECK(z.after.chunks_retired == z.before.chunks_retired + 1);
+  CHECK(z.after.grows == z.before.grows + 1);
+  CHECK(static_cast<char*>(z.p) == static_cast<char*>(m.x1) + 1 * MiB);
   CHECK(a.check() == "");
-  if (z) a.deallocate(z, stream_tag(1));
-  a.deallocate(x1, stream_tag(2));
-  a.deallocate(c2, stream_tag(2));
-  hb->complete_stream(stream_tag(1));
-  a.trim(0);
-  CHECK(a.stats().mapped == 0);
+  if (z.p) a.deallocate(z.p, stream_tag(1));
+  m.finish();
 }
 
 // Found by: vmm-stress --hold-streams --locked-growths (a growth made under the lock that did not
@@ -229,40 +255,20 @@ TEST_CASE("streams: a retired handle mapped into a hole joins the free blocks on
 // did not fit. Now a tail or head whose fence completed loses its tag first, and blocks join only
 // where the stream may use both.
 TEST_CASE("streams: a growth does not join a neighbour the stream may not use yet to the tail it extends [regression: heap::join_next_span]") {
-  options o = opts();
-  o.thread_cache = false;
-  tuning tn;
-  tn.max_growth = 2 * MiB;  // every growth maps what the request needs: one chunk of 2 MiB each
-  auto st = std::make_shared<fault_state>();
-  allocator a = allocator_access::make(make_fault_host(st), o, tn);
-  host_backend* hb = st->host;
-  REQUIRE(hb);
-  // One span of three chunks: [x1 x2][b][c1 c2]
-  void* x1 = a.allocate(1 * MiB, 0, stream_tag(2));
-  void* x2 = a.allocate(1 * MiB, 0, stream_tag(2));
-  void* b = a.allocate(2 * MiB, 0, stream_tag(2));
-  void* c1 = a.allocate(1 * MiB, 0, stream_tag(2));
-  void* c2 = a.allocate(1 * MiB, 0, stream_tag(2));
-  REQUIRE(static_cast<char*>(c2) == static_cast<char*>(x1) + 5 * MiB);
-  a.deallocate(x2, stream_tag(2));
-  a.deallocate(b, stream_tag(2));
+  three_chunks m(opts());
+  allocator& a = m.a;
+  a.deallocate(m.x2, stream_tag(2));
+  a.deallocate(m.b, stream_tag(2));
   a.trim(0);  // gives b's chunk back: [x1 free][hole][c1 c2]; stream 2's fence completed
   REQUIRE(a.stats().mapped == 4 * MiB);
-  hb->hold_stream(stream_tag(2));
-  a.deallocate(c1, stream_tag(2));  // the next span's head: free on stream 2, fence pending
-  const allocator_stats before = a.stats();
+  m.hb->hold_stream(stream_tag(2));
+  a.deallocate(m.c1, stream_tag(2));  // the next span's head: free on stream 2, fence pending
   // 2.5 MiB on stream 1: the free 1 MiB and 2 MiB in the hole, which ends at c1.
-  void* z = a.try_allocate(2 * MiB + MiB / 2, 0, stream_tag(1));
-  CHECK(z != nullptr);
-  if (!z) MESSAGE("last_error: " << last_error().message);
-  const allocator_stats after = a.stats();
-  CHECK(after.grows == before.grows + 1);
-  CHECK(static_cast<char*>(z) == static_cast<char*>(x1) + 1 * MiB);
+  const request z = ask(a, 2 * MiB + MiB / 2, stream_tag(1));
+  CHECK(z.p != nullptr);
+  CHECK(z.after.grows == z.before.grows + 1);
+  CHECK(static_cast<char*>(z.p) == static_cast<char*>(m.x1) + 1 * MiB);
   CHECK(a.check() == "");
-  if (z) a.deallocate(z, stream_tag(1));
-  a.deallocate(x1, stream_tag(2));
-  a.deallocate(c2, stream_tag(2));
-  hb->complete_stream(stream_tag(2));
-  a.trim(0);
-  CHECK(a.stats().mapped == 0);
+  if (z.p) a.deallocate(z.p, stream_tag(1));
+  m.finish();
 }

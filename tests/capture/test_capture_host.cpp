@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "support/host_alloc.hpp"
-#include "vmmalloc/vmmalloc.h"
 #include "support/stream_tag.hpp"
+#include "vmmalloc/vmmalloc.h"
 
 using namespace vmm;
 using vmm::test::stream_tag;

@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "frontend/allocator_access.hpp"
+#include "support/stream_tag.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
-#include "support/stream_tag.hpp"
 
 using namespace vmm;
 using vmm::test::stream_tag;

@@ -25,9 +25,9 @@
 #include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
 #include "support/growth_matrix.hpp"
+#include "support/stream_tag.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/vmmalloc.hpp"
-#include "support/stream_tag.hpp"
 
 using namespace vmm;
 using vmm::test::stream_tag;
@@ -41,7 +41,6 @@ constexpr int kDefaultMs = 150;
 #endif
 
 constexpr int kStreams = 16;  // thread i's stream is tag i + 1 (the cells have at most 16 threads)
-
 
 struct host_env {
   using stream_type = stream_t;

@@ -39,10 +39,10 @@
 
 #include "fault/pattern.hpp"
 #include "frontend/allocator_access.hpp"
+#include "support/stream_tag.hpp"
 #include "vmmalloc/host_backend.hpp"
 #include "vmmalloc/ipc.hpp"
 #include "vmmalloc/vmmalloc.hpp"
-#include "support/stream_tag.hpp"
 
 using namespace vmm;
 using namespace vmm::test;

@@ -15,9 +15,9 @@
 
 #include "fault/pattern.hpp"
 #include "support/fault_backend.hpp"
+#include "support/stream_tag.hpp"
 #include "vmmalloc/vmmalloc.h"
 #include "vmmalloc/vmmalloc.hpp"
-#include "support/stream_tag.hpp"
 
 using namespace vmm;
 using namespace vmm::test;

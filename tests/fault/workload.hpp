@@ -16,8 +16,8 @@
 #include "fault/pattern.hpp"
 #include "support/fault_backend.hpp"
 #include "support/host_alloc.hpp"
-#include "vmmalloc/vmmalloc.hpp"
 #include "support/stream_tag.hpp"
+#include "vmmalloc/vmmalloc.hpp"
 
 namespace vmm::test {
 
@@ -31,7 +31,6 @@ struct step {
   std::size_t align = 0;  // alloc: 0 = default
   int stream = 0;         // 0 = default stream (nullptr), i = fake tag (void*)i
 };
-
 
 // Options of the sweep: release threshold 64 MiB (frees of big blocks unmap chunks during the
 // workload), 2 GiB VA: the scripts hold under 1 GiB at once, and fill_reservation maps every hole

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "fake_external_api.hpp"
-#include "vmmalloc/vulkan_interop.hpp"
 #include "support/stream_tag.hpp"
+#include "vmmalloc/vulkan_interop.hpp"
 
 using vmm::test::stream_tag;
 

@@ -88,7 +88,6 @@ void fail(const std::string& what) {
   std::fprintf(stderr, "vmm-stress: ERROR %s\n", what.c_str());
 }
 
-
 struct shared_pool {
   std::mutex mu;
   std::deque<blk> q;

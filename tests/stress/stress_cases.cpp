@@ -11,8 +11,8 @@
 
 #include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
-#include "vmmalloc/vmmalloc.hpp"
 #include "support/stream_tag.hpp"
+#include "vmmalloc/vmmalloc.hpp"
 
 using namespace vmm;
 using namespace vmm::test;

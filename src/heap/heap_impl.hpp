@@ -345,6 +345,8 @@ struct heap::impl {
   // and it coalesces with an untagged free neighbour on the side named (the caller rebuilds the
   // other). Returns the block that holds it.
   block* drop_covered_tag(block* b, bool left);
+  // Free listed blocks l and r, r right after l, become l (its list re-chosen for the new size).
+  block* merge_free(block* l, block* r);
   // Fresh memory b (never handed out) takes `from`'s stream tag, so the two can serve one request.
   static void take_tag(block* b, const block* from) {
     b->flags = from->flags & (f_free | f_tagged);

@@ -123,36 +123,35 @@ void heap::impl::join_next_span(block* sentinel, stream_t x) {
   if (t->flags & f_free) t = drop_covered_tag(t, true);
   if (h->flags & f_free) h = drop_covered_tag(h, false);
   if (!(t->flags & f_free) || !(h->flags & f_free) || !usable(t, x) || !usable(h, x)) return;
-  auto merge = [&](block* l, block* r) {
-    remove_free(l);
-    remove_free(r);
-    absorb(l, r);
-    insert_free(l);
-    return l;
-  };
   // The untagged one takes x's tag, then may coalesce with its other neighbour if that is x's.
   if (!(t->flags & f_tagged) && (h->flags & f_tagged)) {
     take_tag(t, h);
-    if (block* l = t->prev_phys; l && compatible(l, t)) t = merge(l, t);
-    merge(t, h);
+    if (block* l = t->prev_phys; l && compatible(l, t)) t = merge_free(l, t);
+    merge_free(t, h);
   } else if ((t->flags & f_tagged) && !(h->flags & f_tagged)) {
     take_tag(h, t);
-    t = merge(t, h);
-    if (block* r = t->next_phys; r && compatible(t, r)) merge(t, r);
+    t = merge_free(t, h);
+    if (block* r = t->next_phys; r && compatible(t, r)) merge_free(t, r);
   } else {
-    merge(t, h);
+    merge_free(t, h);
   }
 }
 
 heap::impl::block* heap::impl::drop_covered_tag(block* b, bool left) {
   if (!(b->flags & f_tagged) || !fence_covers(b->stream, b->free_seq)) return b;
   b->flags = static_cast<std::uint8_t>(b->flags & ~f_tagged);
-  block* n = left ? b->prev_phys : b->next_phys;
-  if (!n || !compatible(left ? n : b, left ? b : n)) return b;
-  block* l = left ? n : b;
+  if (left) {
+    block* l = b->prev_phys;
+    return l && compatible(l, b) ? merge_free(l, b) : b;
+  }
+  block* r = b->next_phys;
+  return r && compatible(b, r) ? merge_free(b, r) : b;
+}
+
+heap::impl::block* heap::impl::merge_free(block* l, block* r) {
   remove_free(l);
-  remove_free(left ? b : n);
-  absorb(l, left ? b : n);
+  remove_free(r);
+  absorb(l, r);
   insert_free(l);
   return l;
 }

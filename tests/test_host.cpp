@@ -18,6 +18,7 @@
 #include "vmmalloc/cuda_backend.hpp"
 #include "vmmalloc/vmmalloc.h"
 #include "arena/arena.hpp"
+#include "support/bulk_bytes.hpp"
 #include "support/fault_backend.hpp"
 #include "support/host_alloc.hpp"
 #include "support/marks.hpp"
@@ -26,9 +27,8 @@ namespace {
 
 // The pattern of `seed`: a 64 KiB unit of pattern words, repeated, with each unit's first word
 // replaced by a stamp of its index (a chunk mapped in the wrong place, or twice, shows); a tail
-// takes the unit's first bytes. Written with memcpy and checked with memcmp (a loop over bytes
-// took 24 s of the plain conformance run for its 1 GiB blocks, and minutes under the sanitizers,
-// which check every instrumented access but a memcpy's range once).
+// takes the unit's first bytes. Written and checked a unit at a time by memcpy and memcmp (bulk_bytes:
+// a loop over bytes took 24 s of the plain conformance run for its 1 GiB blocks).
 constexpr std::size_t kUnit = 64 << 10;
 std::uint64_t pattern_word(std::uint64_t seed, std::size_t w) {
   std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + w;
@@ -55,7 +55,7 @@ struct host_traits {
     std::vector<std::uint64_t> u = pattern_unit(seed);
     for (std::size_t i = 0, off = 0; off < n; ++i, off += kUnit) {
       u[0] = unit_stamp(seed, i);
-      std::memcpy(b + off, u.data(), std::min(kUnit, n - off));
+      vmm::test::bulk_copy(b + off, u.data(), std::min(kUnit, n - off));
     }
   }
   static bool verify(const void* p, std::size_t n, std::uint64_t seed) {
@@ -63,7 +63,7 @@ struct host_traits {
     std::vector<std::uint64_t> u = pattern_unit(seed);
     for (std::size_t i = 0, off = 0; off < n; ++i, off += kUnit) {
       u[0] = unit_stamp(seed, i);
-      if (std::memcmp(b + off, u.data(), std::min(kUnit, n - off)) != 0) return false;
+      if (!vmm::test::bulk_equal(b + off, u.data(), std::min(kUnit, n - off))) return false;
     }
     return true;
   }
@@ -476,7 +476,7 @@ TEST_CASE("a huge request served from a free span block keeps its alignment") {
     CAPTURE(align);
     void* h = a.allocate(20 * MiB, align);  // huge, fits the free span memory
     CHECK(reinterpret_cast<std::uintptr_t>(h) % align == 0);
-    std::memset(h, 5, 20 * MiB);
+    vmm::test::bulk_set(h, 5, 20 * MiB);
     a.deallocate(h);
   }
   CHECK(a.stats().calls.total() == calls);  // every one from the span: no driver call
@@ -1181,7 +1181,7 @@ TEST_CASE("policy: free_memory_margin gives free memory back before a growth tha
     vmm::mem_handle taken = 0;
     if (other) taken = st->host->create(other, vmm::chunk_props{}).value;  // another user of the device
     void* big = a.allocate(300 * M);  // fits neither span: a growth
-    std::memset(big, 1, 300 * M);
+    vmm::test::bulk_set(big, 1, 300 * M);
     const auto s = a.stats();
     outcome r{s.physical, st->host->mem_info().value.free, s.margin_trims};
     CHECK(a.check() == "");

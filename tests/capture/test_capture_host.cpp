@@ -7,16 +7,17 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
-#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "support/bulk_bytes.hpp"
 #include "support/host_alloc.hpp"
 #include "support/stream_tag.hpp"
 #include "vmmalloc/vmmalloc.h"
 
 using namespace vmm;
+using vmm::test::bulk_set;
 using vmm::test::stream_tag;
 using vmm::test::make_host_alloc;
 
@@ -318,13 +319,13 @@ TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by ca
     REQUIRE(id != 0);
     void* t1 = a.allocate(n, 0, cs);
     void* t2 = a.allocate(n, 0, cs);
-    std::memset(t1, 1, n);
-    std::memset(t2, 2, n);
+    bulk_set(t1, 1, n);
+    bulk_set(t2, 2, n);
     a.deallocate(t1, cs);
     void* t3 = a.allocate(n, 0, cs);
-    std::memset(t3, 3, n);
+    bulk_set(t3, 3, n);
     void* out = a.allocate(n, 0, cs);
-    std::memset(out, 4, n);
+    bulk_set(out, 4, n);
     void* other = a.allocate(n, 0, stream_tag(5));
     allocator::pool_id in = 0;
     CHECK_FALSE(a.pool_of(other, in));
@@ -344,8 +345,8 @@ TEST_CASE("graph pools: warm allocator, every size path, the pool filtered by ca
           CHECK_FALSE((u < lo + n && lo < u + n));
         }
       }
-      std::memset(x, 5, n);
-      std::memset(y, 6, n);
+      bulk_set(x, 5, n);
+      bulk_set(y, 6, n);
       CHECK(static_cast<unsigned char*>(out)[n - 1] == 4);
       a.deallocate(x, cs);
       a.deallocate(y, stream_tag(6));

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "support/bulk_bytes.hpp"
 #include "vmmalloc/ipc.hpp"
 
 namespace ipct {
@@ -35,7 +36,7 @@ inline std::uint64_t splitmix64(std::uint64_t x) {
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
 }
-inline void fill(void* p, std::size_t n, std::uint64_t seed) {
+VMM_TEST_BULK inline void fill(void* p, std::size_t n, std::uint64_t seed) {
   auto* b = static_cast<std::uint8_t*>(p);
   for (std::size_t i = 0; i < n; i += 8) {
     const std::uint64_t w = splitmix64(splitmix64(seed) ^ (i / 8));
@@ -43,7 +44,7 @@ inline void fill(void* p, std::size_t n, std::uint64_t seed) {
   }
 }
 // Bytes of [p, p + n) that differ from the pattern of seed.
-inline std::size_t mismatches(const void* p, std::size_t n, std::uint64_t seed) {
+VMM_TEST_BULK inline std::size_t mismatches(const void* p, std::size_t n, std::uint64_t seed) {
   auto* b = static_cast<const std::uint8_t*>(p);
   std::size_t bad = 0;
   for (std::size_t i = 0; i < n; i += 8) {

@@ -1,19 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
 // memset, memcpy and memcmp for a test's own bulk data (patterns in its blocks, memory it touches
-// as a kernel would). Under TSan they are uninstrumented word loops: TSan's interceptors check
-// every 8 bytes of the range, so a test that fills a GiB took minutes there, and a test's data in
-// its own blocks is not what that tree looks for; the allocator's own accesses stay checked.
-// Elsewhere they are the library calls.
+// as a kernel would), and VMM_TEST_BULK for a test's own loops over such data. Under TSan they are
+// uninstrumented: TSan checks every 8 bytes a loop or its interceptors touch, so a test that fills
+// a GiB took minutes there, and a test's data in its own blocks is not what that tree looks for;
+// the allocator's own accesses stay checked. Elsewhere they are the library calls.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
+#if defined(__SANITIZE_THREAD__)
+#define VMM_TEST_BULK [[gnu::no_sanitize("thread"), gnu::optimize("no-tree-loop-distribute-patterns")]]
+#else
+#define VMM_TEST_BULK
+#endif
+
 namespace vmm::test {
 
 #if defined(__SANITIZE_THREAD__)
-#define VMM_TEST_BULK [[gnu::no_sanitize("thread"), gnu::optimize("no-tree-loop-distribute-patterns")]]
 VMM_TEST_BULK inline void bulk_set(void* d, unsigned char v, std::size_t n) {
   auto* db = static_cast<unsigned char*>(d);
   const std::uint64_t w = v * 0x0101010101010101ull;
@@ -37,7 +42,6 @@ VMM_TEST_BULK inline bool bulk_equal(const void* a, const void* b, std::size_t n
   for (; i < n; ++i) x |= ab[i] ^ bb[i];
   return x == 0;
 }
-#undef VMM_TEST_BULK
 #else
 inline void bulk_set(void* d, unsigned char v, std::size_t n) { std::memset(d, v, n); }
 inline void bulk_copy(void* d, const void* s, std::size_t n) { std::memcpy(d, s, n); }

@@ -22,26 +22,22 @@
 #include "support/fault_backend.hpp"
 #include "support/host_alloc.hpp"
 #include "support/marks.hpp"
+#include "support/pattern.hpp"
 
 namespace {
 
-// The pattern of `seed`: a 64 KiB unit of pattern words, repeated, with each unit's first word
-// replaced by a stamp of its index (a chunk mapped in the wrong place, or twice, shows); a tail
-// takes the unit's first bytes. Written and checked a unit at a time by memcpy and memcmp (bulk_bytes:
-// a loop over bytes took 24 s of the plain conformance run for its 1 GiB blocks).
+// The conformance fill of `seed`: the first 64 KiB unit of the tests' pattern (support/pattern.hpp),
+// repeated, with each unit's first word replaced by a stamp of its index (a chunk mapped in the
+// wrong place, or twice, shows); a tail takes the unit's first bytes. Written and checked a unit at
+// a time by memcpy and memcmp (bulk_bytes: a loop over bytes took 24 s of the plain conformance run
+// for its 1 GiB blocks).
 constexpr std::size_t kUnit = 64 << 10;
-std::uint64_t pattern_word(std::uint64_t seed, std::size_t w) {
-  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + w;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  return x ^ (x >> 32);
-}
 std::vector<std::uint64_t> pattern_unit(std::uint64_t seed) {
   std::vector<std::uint64_t> u(kUnit / 8);
-  for (std::size_t w = 0; w < u.size(); ++w) u[w] = pattern_word(seed, w);
+  for (std::size_t w = 0; w < u.size(); ++w) u[w] = vmm::test::pattern_word(seed, w);
   return u;
 }
-std::uint64_t unit_stamp(std::uint64_t seed, std::size_t i) { return pattern_word(~seed, i); }
+std::uint64_t unit_stamp(std::uint64_t seed, std::size_t i) { return vmm::test::pattern_word(~seed, i); }
 
 struct host_traits {
   static constexpr const char* name = "host";

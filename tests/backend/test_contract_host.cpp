@@ -13,6 +13,7 @@
 #include "backend/contract.hpp"
 #include "support/fault_backend.hpp"
 #include "support/host_alloc.hpp"
+#include "support/pattern.hpp"
 #include "vmmalloc/host_backend.hpp"
 
 namespace {
@@ -52,24 +53,17 @@ vmm::host_backend* host_of(vmm::backend_iface& b) {
   return nullptr;
 }
 
-std::uint64_t pattern_word(std::uint64_t seed, std::uint64_t w) {
-  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + w + 1;
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  return x ^ (x >> 29);
-}
-
 // What every host wrapping shares: the CPU reads the memory, fences are held by the test.
 struct host_common {
   static constexpr bool host_access = true;
   static void fill(vmm::backend_iface&, std::uintptr_t va, std::size_t n, std::uint64_t seed) {
     auto* p = reinterpret_cast<std::uint64_t*>(va);
-    for (std::size_t w = 0; w < n / 8; ++w) p[w] = pattern_word(seed, w);
+    for (std::size_t w = 0; w < n / 8; ++w) p[w] = vmm::test::pattern_word(seed, w);
   }
   static bool verify(vmm::backend_iface&, std::uintptr_t va, std::size_t n, std::uint64_t seed) {
     auto* p = reinterpret_cast<const std::uint64_t*>(va);
     for (std::size_t w = 0; w < n / 8; ++w)
-      if (p[w] != pattern_word(seed, w)) return false;
+      if (p[w] != vmm::test::pattern_word(seed, w)) return false;
     return true;
   }
   static std::optional<vmm::access_mode> access_of(vmm::backend_iface& b, std::uintptr_t va, int device) {

@@ -21,7 +21,7 @@
 #include <thread>
 
 #include "arena/tuning.hpp"
-#include "fault/pattern.hpp"
+#include "support/pattern.hpp"
 #include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
 #include "support/growth_matrix.hpp"

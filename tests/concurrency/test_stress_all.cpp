@@ -37,7 +37,7 @@
 #include <thread>
 #include <vector>
 
-#include "fault/pattern.hpp"
+#include "support/pattern.hpp"
 #include "frontend/allocator_access.hpp"
 #include "support/stream_tag.hpp"
 #include "vmmalloc/host_backend.hpp"

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "fault/pattern.hpp"
+#include "support/pattern.hpp"
 #include "support/fault_backend.hpp"
 #include "support/stream_tag.hpp"
 #include "vmmalloc/vmmalloc.h"

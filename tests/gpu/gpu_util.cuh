@@ -6,9 +6,9 @@
 // aborts the process with the call, the file:line and the runtime's error name and text, because a
 // CUDA error in a test (a faulting kernel, a sticky context error) leaves nothing to recover.
 //
-// The pattern: byte b of a region filled with `seed` is byte (b % 8) (little endian) of
-// pattern_word(seed, b / 8). Tail bytes (n not a multiple of 8) follow the same rule, so a prefix of
-// a filled region verifies with the same seed, and the host can compute every expected byte.
+// The pattern is the tests' one (support/pattern.hpp): byte b of a region filled with `seed` is
+// byte b % 8 of pattern_word(seed, b / 8), so a prefix verifies with the same seed and the host can
+// compute every expected byte.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,30 +17,12 @@
 #include <cstdint>
 #include <string>
 
-#if defined(__CUDACC__)
-#define VMM_HD __host__ __device__
-#else
-#define VMM_HD
-#endif
+#include "support/pattern.hpp"
 
 namespace gpu {
 
-VMM_HD inline std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// The 8-byte word at word index w of a region filled with seed.
-VMM_HD inline std::uint64_t pattern_word(std::uint64_t seed, std::uint64_t w) {
-  return splitmix64(splitmix64(seed) ^ w);
-}
-
-// The expected byte at byte index b.
-VMM_HD inline std::uint8_t pattern_byte(std::uint64_t seed, std::uint64_t b) {
-  return static_cast<std::uint8_t>(pattern_word(seed, b / 8) >> (8 * (b % 8)));
-}
+using vmm::test::pattern_byte;
+using vmm::test::pattern_word;
 
 // Aborts with a clear message when `e` is not cudaSuccess.
 void check(cudaError_t e, const char* what, const char* file, int line);

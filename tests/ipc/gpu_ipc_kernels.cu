@@ -7,6 +7,7 @@
 #include <string>
 
 #include "gpu_ipc_kernels.cuh"
+#include "support/pattern.hpp"
 
 namespace ipcg {
 
@@ -21,32 +22,24 @@ void check(cudaError_t e, const char* what, const char* file, int line) {
 }
 #define IPCG_CHECK(call) check((call), #call, __FILE__, __LINE__)
 
-__host__ __device__ inline std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// One thread per 8-byte word; byte stores, so any alignment and any tail work.
+// The tests' pattern (support/pattern.hpp). One thread per 8-byte word; byte stores, so any
+// alignment and any tail work.
 __global__ void fill_kernel(unsigned char* p, std::size_t n, std::uint64_t seed) {
-  const std::uint64_t s = splitmix64(seed);
   const std::size_t words = (n + 7) / 8;
   for (std::size_t w = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; w < words;
        w += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const std::uint64_t v = splitmix64(s ^ w);
+    const std::uint64_t v = vmm::test::pattern_word(seed, w);
     for (int k = 0; k < 8 && w * 8 + k < n; ++k) p[w * 8 + k] = static_cast<unsigned char>(v >> (8 * k));
   }
 }
 
 __global__ void verify_kernel(const unsigned char* p, std::size_t n, std::uint64_t seed,
                               unsigned long long* bad) {
-  const std::uint64_t s = splitmix64(seed);
   const std::size_t words = (n + 7) / 8;
   unsigned long long mine = 0;
   for (std::size_t w = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; w < words;
        w += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const std::uint64_t v = splitmix64(s ^ w);
+    const std::uint64_t v = vmm::test::pattern_word(seed, w);
     for (int k = 0; k < 8 && w * 8 + k < n; ++k)
       mine += p[w * 8 + k] != static_cast<unsigned char>(v >> (8 * k));
   }

@@ -26,20 +26,16 @@
 #include <vector>
 
 #include "support/bulk_bytes.hpp"
+#include "support/pattern.hpp"
 #include "vmmalloc/ipc.hpp"
 
 namespace ipct {
 
-inline std::uint64_t splitmix64(std::uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+// The tests' pattern (support/pattern.hpp), a word at a time.
 VMM_TEST_BULK inline void fill(void* p, std::size_t n, std::uint64_t seed) {
   auto* b = static_cast<std::uint8_t*>(p);
   for (std::size_t i = 0; i < n; i += 8) {
-    const std::uint64_t w = splitmix64(splitmix64(seed) ^ (i / 8));
+    const std::uint64_t w = vmm::test::pattern_word(seed, i / 8);
     for (std::size_t k = 0; k < 8 && i + k < n; ++k) b[i + k] = static_cast<std::uint8_t>(w >> (8 * k));
   }
 }
@@ -48,7 +44,7 @@ VMM_TEST_BULK inline std::size_t mismatches(const void* p, std::size_t n, std::u
   auto* b = static_cast<const std::uint8_t*>(p);
   std::size_t bad = 0;
   for (std::size_t i = 0; i < n; i += 8) {
-    const std::uint64_t w = splitmix64(splitmix64(seed) ^ (i / 8));
+    const std::uint64_t w = vmm::test::pattern_word(seed, i / 8);
     for (std::size_t k = 0; k < 8 && i + k < n; ++k) bad += b[i + k] != static_cast<std::uint8_t>(w >> (8 * k));
   }
   return bad;

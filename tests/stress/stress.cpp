@@ -18,7 +18,7 @@
 //
 // Content: every block gets a pattern derived from its id, checked when it is freed. Blocks of up
 // to 64 KiB are filled and checked in full; larger ones on their first and last 4 KiB, one 4 KiB
-// window at an id-derived offset and 64 bytes at every 1 MiB boundary (see fault/pattern.hpp).
+// window at an id-derived offset and 64 bytes at every 1 MiB boundary (see support/pattern.hpp).
 //
 // At the end: stats().requested == 0 and live == 0; after trim(0) mapped == 0 and physical == 0;
 // check() == ""; every growth that ran under the allocator's lock served the request it was made
@@ -40,7 +40,7 @@
 
 #include <unistd.h>
 
-#include "fault/pattern.hpp"
+#include "support/pattern.hpp"
 #include "frontend/allocator_access.hpp"
 #include "support/fault_backend.hpp"
 #include "support/stream_tag.hpp"

@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// Content patterns for the fault sweep and the stress program: every block is filled with bytes
-// derived from its id and checked when it is freed, so a block handed out twice, an overlap, a
-// stale mapping or a wrong unmap shows up as a mismatch.
+// The tests' one content pattern. Byte b of a range filled with `seed` is byte b % 8 (little
+// endian) of pattern_word(seed, b / 8): any prefix or window verifies on its own, and host code
+// computes what a kernel wrote (the words are __host__ __device__ under nvcc).
 //
-// Coverage (stated honestly): blocks of at most `full_limit` bytes (64 KiB by default) are filled
-// and checked in full. Larger blocks: the first 4 KiB, the last 4 KiB, one 4 KiB window at an
-// id-derived offset in the middle, and 64 bytes at every 1 MiB boundary in between.
+// Blocks of the fault sweep and the stress programs carry it too, derived from the block's id and
+// checked when the block is freed, so a block handed out twice, an overlap, a stale mapping or a
+// wrong unmap shows up as a mismatch. Coverage (stated honestly): blocks of at most `full_limit`
+// bytes (64 KiB by default) are filled and checked in full. Larger blocks: the first 4 KiB, the
+// last 4 KiB, one 4 KiB window at an id-derived offset in the middle, and 64 bytes at every 1 MiB
+// boundary in between.
 #pragma once
 
 #include <algorithm>
@@ -14,13 +17,28 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__CUDACC__)
+#define VMM_TEST_HD __host__ __device__
+#else
+#define VMM_TEST_HD
+#endif
+
 namespace vmm::test {
 
-inline std::uint64_t splitmix64(std::uint64_t x) {
+VMM_TEST_HD inline std::uint64_t splitmix64(std::uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
   return x ^ (x >> 31);
+}
+
+// Word w of the pattern of `seed`.
+VMM_TEST_HD inline std::uint64_t pattern_word(std::uint64_t seed, std::uint64_t w) {
+  return splitmix64(splitmix64(seed) ^ w);
+}
+// Byte b of the pattern of `seed`.
+VMM_TEST_HD inline std::uint8_t pattern_byte(std::uint64_t seed, std::uint64_t b) {
+  return static_cast<std::uint8_t>(pattern_word(seed, b / 8) >> (8 * (b % 8)));
 }
 
 struct region {
@@ -47,14 +65,6 @@ inline std::vector<region> pattern_regions(std::size_t size, std::uint64_t id,
   r.push_back({size - W, W});
   std::sort(r.begin(), r.end(), [](const region& a, const region& b) { return a.off < b.off; });
   return r;
-}
-
-// The pattern is a stream of 64-bit words: word i = seed + i * golden; byte o = byte o%8 of word o/8.
-inline std::uint64_t pattern_word(std::uint64_t seed, std::size_t i) {
-  return seed + static_cast<std::uint64_t>(i) * 0x9E3779B97F4A7C15ull;
-}
-inline std::uint8_t pattern_byte(std::uint64_t seed, std::size_t o) {
-  return static_cast<std::uint8_t>(pattern_word(seed, o / 8) >> (8 * (o % 8)));
 }
 
 inline void fill_region(unsigned char* p, std::size_t off, std::size_t len, std::uint64_t seed) {

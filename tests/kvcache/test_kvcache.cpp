@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "support/fault_backend.hpp"
+#include "support/pattern.hpp"
 #include "vmmalloc/kv_cache.hpp"
 
 namespace {
@@ -69,12 +70,11 @@ unsigned char* buf_ptr(const kv_cache& kv, vmm::seq_id s, std::size_t buf) {
   return static_cast<unsigned char*>(buf % 2 ? kv.v(s, buf / 2) : kv.k(s, buf / 2));
 }
 
-// Byte i of token t in buffer `buf` of a sequence whose contents are tagged `tag`.
-std::uint8_t pat(std::uint64_t tag, std::size_t buf, std::size_t t, std::size_t i) {
-  std::uint64_t x = tag * 0x9E3779B97F4A7C15ull ^ (buf << 48) ^ (t << 16) ^ i;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  return static_cast<std::uint8_t>(x >> 32);
+// Byte i of token t (of T bytes) in buffer `buf` of a sequence whose contents are tagged `tag`: the
+// tests' pattern (support/pattern.hpp) of seed tag * 1000 + buf at byte t * T + i, as the GPU
+// test's kernels write it.
+std::uint8_t pat(std::uint64_t tag, std::size_t buf, std::size_t T, std::size_t t, std::size_t i) {
+  return vmm::test::pattern_byte(tag * 1000 + buf, t * T + i);
 }
 
 void write_tokens(kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t t0, std::size_t t1) {
@@ -82,7 +82,7 @@ void write_tokens(kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t t0
   for (std::size_t b = 0; b < nbuf(kv); ++b) {
     unsigned char* p = buf_ptr(kv, s, b);
     for (std::size_t t = t0; t < t1; ++t)
-      for (std::size_t i = 0; i < T; i += 8) p[t * R + i] = pat(tag, b, t, i);  // every 8th byte: fast enough
+      for (std::size_t i = 0; i < T; i += 8) p[t * R + i] = pat(tag, b, T, t, i);  // every 8th byte: fast enough
   }
 }
 
@@ -93,7 +93,7 @@ std::size_t check_tokens(const kv_cache& kv, vmm::seq_id s, std::uint64_t tag, s
   for (std::size_t b = 0; b < nbuf(kv); ++b) {
     const unsigned char* p = buf_ptr(kv, s, b);
     for (std::size_t t = t0; t < n; ++t)
-      for (std::size_t i = 0; i < T; i += 8) bad += p[t * R + i] != pat(tag, b, t, i);
+      for (std::size_t i = 0; i < T; i += 8) bad += p[t * R + i] != pat(tag, b, T, t, i);
   }
   return bad;
 }

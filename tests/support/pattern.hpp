@@ -95,13 +95,13 @@ inline std::size_t check_region(const unsigned char* p, std::size_t off, std::si
   return SIZE_MAX;
 }
 
-// Fills the pattern regions of a block; returns the bytes written.
+// Fills the pattern regions of a block with the pattern of seed `id` (pattern_word hashes it);
+// returns the bytes written.
 inline std::size_t fill_block(void* p, std::size_t size, std::uint64_t id,
                               std::size_t full_limit = pattern_full_limit) {
-  std::uint64_t seed = splitmix64(id);
   std::size_t n = 0;
   for (auto& r : pattern_regions(size, id, full_limit)) {
-    fill_region(static_cast<unsigned char*>(p), r.off, r.len, seed);
+    fill_region(static_cast<unsigned char*>(p), r.off, r.len, id);
     n += r.len;
   }
   return n;
@@ -110,11 +110,10 @@ inline std::size_t fill_block(void* p, std::size_t size, std::uint64_t id,
 // Checks a block; returns the bytes verified, or sets *bad to the first wrong offset.
 inline std::size_t verify_block(const void* p, std::size_t size, std::uint64_t id, std::size_t* bad,
                                 std::size_t full_limit = pattern_full_limit) {
-  std::uint64_t seed = splitmix64(id);
   std::size_t n = 0;
   *bad = SIZE_MAX;
   for (auto& r : pattern_regions(size, id, full_limit)) {
-    std::size_t b = check_region(static_cast<const unsigned char*>(p), r.off, r.len, seed);
+    std::size_t b = check_region(static_cast<const unsigned char*>(p), r.off, r.len, id);
     if (b != SIZE_MAX) {
       *bad = b;
       return n;

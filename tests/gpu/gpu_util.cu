@@ -11,6 +11,8 @@
 #include <mutex>
 #include <vector>
 
+#include "support/pattern_kernels.cuh"
+
 namespace gpu {
 namespace {
 
@@ -26,55 +28,21 @@ __device__ __forceinline__ std::uint64_t global_ns() {
   return t;
 }
 
-__device__ __forceinline__ void write_pass(unsigned char* p, std::size_t n, std::uint64_t seed) {
-  const std::size_t words = (n + 7) / 8;
-  const bool aligned = (reinterpret_cast<std::uintptr_t>(p) % 8) == 0;
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t w = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
-       w += stride) {
-    const std::uint64_t v = pattern_word(seed, w);
-    const std::size_t b = w * 8;
-    if (aligned && b + 8 <= n) {
-      reinterpret_cast<std::uint64_t*>(p)[w] = v;
-    } else {
-      for (int k = 0; k < 8 && b + k < n; ++k) p[b + k] = static_cast<unsigned char>(v >> (8 * k));
-    }
-  }
-}
-
 __global__ void fill_kernel(unsigned char* p, std::size_t n, std::uint64_t seed) {
-  write_pass(p, n, seed);
+  vmm::test::write_pattern(p, n, seed);
 }
 
 __global__ void spin_fill_kernel(unsigned char* p, std::size_t n, std::uint64_t seed,
                                  std::uint64_t ns) {
   const std::uint64_t t0 = global_ns();
   do {
-    write_pass(p, n, seed);  // at least one whole pass, the last one after the deadline
+    vmm::test::write_pattern(p, n, seed);  // at least one whole pass, the last one after the deadline
   } while (global_ns() - t0 < ns);
 }
 
 __global__ void verify_kernel(const unsigned char* p, std::size_t n, std::uint64_t seed,
                               unsigned long long* mismatches) {
-  const std::size_t words = (n + 7) / 8;
-  const bool aligned = (reinterpret_cast<std::uintptr_t>(p) % 8) == 0;
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  unsigned long long bad = 0;
-  for (std::size_t w = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < words;
-       w += stride) {
-    const std::uint64_t v = pattern_word(seed, w);
-    const std::size_t b = w * 8;
-    if (aligned && b + 8 <= n) {
-      const std::uint64_t got = reinterpret_cast<const std::uint64_t*>(p)[w];
-      if (got != v) {
-        const std::uint64_t x = got ^ v;  // count differing bytes, not words
-        for (int k = 0; k < 8; ++k) bad += ((x >> (8 * k)) & 0xFF) != 0;
-      }
-    } else {
-      for (int k = 0; k < 8 && b + k < n; ++k)
-        bad += p[b + k] != static_cast<unsigned char>(v >> (8 * k));
-    }
-  }
+  const unsigned long long bad = vmm::test::count_mismatches(p, n, seed);
   if (bad) atomicAdd(mismatches, bad);
 }
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "gpu_ipc_kernels.cuh"
-#include "support/pattern.hpp"
+#include "support/pattern_kernels.cuh"
 
 namespace ipcg {
 
@@ -22,27 +22,13 @@ void check(cudaError_t e, const char* what, const char* file, int line) {
 }
 #define IPCG_CHECK(call) check((call), #call, __FILE__, __LINE__)
 
-// The tests' pattern (support/pattern.hpp). One thread per 8-byte word; byte stores, so any
-// alignment and any tail work.
 __global__ void fill_kernel(unsigned char* p, std::size_t n, std::uint64_t seed) {
-  const std::size_t words = (n + 7) / 8;
-  for (std::size_t w = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; w < words;
-       w += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const std::uint64_t v = vmm::test::pattern_word(seed, w);
-    for (int k = 0; k < 8 && w * 8 + k < n; ++k) p[w * 8 + k] = static_cast<unsigned char>(v >> (8 * k));
-  }
+  vmm::test::write_pattern(p, n, seed);
 }
 
 __global__ void verify_kernel(const unsigned char* p, std::size_t n, std::uint64_t seed,
                               unsigned long long* bad) {
-  const std::size_t words = (n + 7) / 8;
-  unsigned long long mine = 0;
-  for (std::size_t w = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; w < words;
-       w += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const std::uint64_t v = vmm::test::pattern_word(seed, w);
-    for (int k = 0; k < 8 && w * 8 + k < n; ++k)
-      mine += p[w * 8 + k] != static_cast<unsigned char>(v >> (8 * k));
-  }
+  const unsigned long long mine = vmm::test::count_mismatches(p, n, seed);
   if (mine) atomicAdd(bad, mine);
 }
 

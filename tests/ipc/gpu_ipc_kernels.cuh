@@ -3,8 +3,8 @@
 // holds the kernels). Every call is checked: a failure prints the call, file:line and the
 // runtime's error, and exits 1 (a CUDA error in a test leaves nothing to recover).
 //
-// The pattern is the host tests' (ipc_test_util.hpp): byte i of a region filled with seed is byte
-// i % 8 of splitmix64(splitmix64(seed) ^ (i / 8)).
+// The pattern is the tests' one (support/pattern.hpp), written and counted by the kernels of
+// support/pattern_kernels.cuh that the other GPU tests use.
 #pragma once
 
 #include <cstddef>

@@ -66,6 +66,15 @@ format v2) into DIR/<model>-vmmalloc.trace.gz, and when
 vmm-replay is found (--replay-bin, else build*/tools/replay/) the trace is replayed on the GPU
 through vmmalloc and cudaMallocAsync so the replay's peaks can be set beside the real process's.
 
+--lockstep (with two allocators) runs each round's two processes at once and passes a turn between
+them: each training step, each generate() call and each stretch that uses the GPU untimed (init,
+the probes) runs only while its process holds the turn, in the order A B B A A B ... So both
+processes meet the machine in the same seconds: a drift of its speed over minutes (expandable
+segments' GPT-2 step ranged over 1.58 x between processes run one after the other) falls on both
+alike, though a difference between the two processes themselves does not cancel. Both processes'
+memory must fit the device at once; each one's peaks are its own (the device-wide memory in use
+is not reported, the other process shares it), and its times leave out its waits for the turn.
+
 --profile-step N profiles one more training step (GPU kernel time against CPU time);
 --profile-generate N profiles generate() call N once more after the timed passes (how long the GPU
 ran kernels against the call's wall time: whether the call waits on the GPU or on the CPU); --alloc-probe
@@ -96,6 +105,7 @@ import hashlib
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import statistics
@@ -722,6 +732,32 @@ def judge(runs, comparisons):
 
 # ---- the worker: one (model, allocator) in this process ----------------------------------------
 
+class Baton:
+    """The worker's end of --lockstep's turns (--baton IN,OUT: pipes from and to the driver): take()
+    says the process is ready and blocks until the driver gives it the turn, give() hands it back.
+    Without --baton both do nothing. `waited` sums the seconds spent blocked, which the phase times
+    leave out."""
+
+    def __init__(self, spec):
+        self.fds = tuple(int(x) for x in spec.split(",")) if spec else None
+        self.waited = 0.0
+        self.turns = 0
+
+    def take(self):
+        if self.fds is None:
+            return
+        os.write(self.fds[1], b"r")
+        t = time.perf_counter()
+        if os.read(self.fds[0], 1) != b"g":
+            raise RuntimeError("--lockstep: the driver closed the turns")
+        self.waited += time.perf_counter() - t
+        self.turns += 1
+
+    def give(self):
+        if self.fds is not None:
+            os.write(self.fds[1], b"d")
+
+
 class Probe:
     """The allocator's own peak counters: reset at a phase's start, read after every step."""
 
@@ -984,7 +1020,9 @@ def run_workload(a, res, save, torch, transformers, t0):
             res["pool_last"] = m["pool"]
         return m
 
+    baton = Baton(a.baton)
     # ---- init: the model on the GPU (weights drawn on the CPU: the same in every process)
+    baton.take()
     probe.reset()
     torch.manual_seed(SEED)
     ti = time.perf_counter()
@@ -1009,19 +1047,21 @@ def run_workload(a, res, save, torch, transformers, t0):
         sample("init", "init")
         if a.alloc_probe:
             launch_probe(torch, res, dev, "start")
+        baton.give()
 
         # ---- train
         probe.reset()
         g = torch.Generator().manual_seed(SEED + 1)
         num_labels = getattr(cfg, "num_labels", 2)
         steps, losses = [], []
-        tt = time.perf_counter()
+        tt, w0 = time.perf_counter(), baton.waited
         # vmmalloc's driver and fence time in each step, read outside the timed region.
         def vmm_driver_ns():
             s = vt.stats(0) or {}
             return s.get("driver_ns", 0) + s.get("fence_ns", 0)
         driver_ns = vmm_driver_ns if vt else None
         for i, shape in enumerate(spec["train"]):
+            baton.take()
             n0 = alloc_count(torch, vt)
             batch = {k: v.to(dev) for k, v in make_batch(torch, family, shape, vocab, num_labels, g).items()}
             if channels_last:
@@ -1039,11 +1079,14 @@ def run_workload(a, res, save, torch, transformers, t0):
             if n0 is not None:
                 steps[-1]["allocations"] = alloc_count(torch, vt) - n0
             sample("train", step_label("train", i, shape))
-        res["train_s"] = time.perf_counter() - tt
+            baton.give()
+        res["train_s"] = time.perf_counter() - tt - (baton.waited - w0)
         res["steps"], res["losses"] = steps, losses
         if a.profile_step is not None:
+            baton.take()
             profile_step(torch, a, res, spec, family, model, opt, vocab, num_labels, dev)
             sample("train", "profiled step")  # a peak it reaches is its own, not generate()'s
+            baton.give()
         res["median_step_s"] = statistics.median(s["seconds"] for s in steps) if steps else None
         if steps and all("allocations" in s for s in steps):
             res["median_step_allocations"] = statistics.median(s["allocations"] for s in steps)
@@ -1068,8 +1111,9 @@ def run_workload(a, res, save, torch, transformers, t0):
             passes, pass_usage = [], []
             for npass in range(a.generate_passes):
                 u0 = process_usage()
-                tg = time.perf_counter()
+                tg, w0 = time.perf_counter(), baton.waited
                 for i, ((b, p, n), ids) in enumerate(zip(spec["generate"], generate_inputs(torch, spec, vocab))):
+                    baton.take()
                     ids = ids.to(dev)
                     d0 = driver_ns() if driver_ns else None
                     g0 = time.perf_counter()
@@ -1094,23 +1138,32 @@ def run_workload(a, res, save, torch, transformers, t0):
                             raise RuntimeError("generate call %d: pass %d made other tokens than pass 1" % (i, npass + 1))
                     del out, ids
                     sample("generate", step_label("generate", i, (b, p, n)))
-                passes.append(time.perf_counter() - tg)
+                    baton.give()
+                passes.append(time.perf_counter() - tg - (baton.waited - w0))
                 pass_usage.append(usage_delta(u0, process_usage()))
             if a.profile_generate is not None:
+                baton.take()
                 profile_generate(torch, a, res, spec, model, vocab, dev)
+                baton.give()
             res["generate_passes_s"] = passes
             res["generate_passes_usage"] = pass_usage
             res["generate_first_s"] = passes[0]
             res["generate_s"] = passes[-1]
         res["generate"] = gens
         if a.alloc_probe:
+            baton.take()
             alloc_probe(torch, res, dev)
             launch_probe(torch, res, dev, "end")
+            baton.give()
     res["determinism_warnings"] = sorted({str(w.message).split("\n")[0][:200] for w in caught
                                           if "determinis" in str(w.message)})
 
     free, _ = torch.cuda.mem_get_info(dev)
-    res["device_used"] = {"start": start_used, "max_above_start": dev_max[0], "end_above_start": total - free - start_used}
+    if baton.fds is None:  # under --lockstep the other process shares the device
+        res["device_used"] = {"start": start_used, "max_above_start": dev_max[0],
+                              "end_above_start": total - free - start_used}
+    else:
+        res["lockstep"] = {"turns": baton.turns, "waited_s": baton.waited}
     res["held_peak"], res["alloc_peak"] = peaks["held"] or None, peaks["allocated"] or None
     if not peaks["held"]:
         res["held_error"] = probe.pool_error or "the allocator reported no held bytes"
@@ -1392,6 +1445,17 @@ def fake_worker(a, res, save):
         res["generate_passes_s"] = [res["generate_first_s"]] + [res["generate_s"]] * (a.generate_passes - 1)
         res["generate_passes_usage"] = [{"user_s": 0.5 * t, "sys_s": 0.1 * t, "voluntary": 30, "involuntary": 7,
                                          "minor_faults": 1000} for t in res["generate_passes_s"]]
+    if a.baton:  # the real worker's turns: init, each step, each generate() call, the probes
+        baton, spans = Baton(a.baton), []
+        for _ in range(1 + len(w["train"]) + len(w["generate"]) * a.generate_passes + bool(a.alloc_probe)):
+            baton.take()
+            spans.append([time.monotonic()])
+            time.sleep(0.01)
+            spans[-1].append(time.monotonic())
+            baton.give()
+        res["lockstep"] = {"turns": baton.turns, "waited_s": baton.waited}
+        res["turn_spans"] = spans
+        del res["device_used"]
     if a.allocator == "vmmalloc":
         res["vmm_at_peak"] = {"at": "train 0 (1x1)", "peak_physical": base, "requested": base, "mapped": base}
         res["vmm_stats_end"] = {"malloc_failures": 0, "free_failures": 0}
@@ -1428,13 +1492,14 @@ def child_env(allocator, a, trace_path=None):
     return env
 
 
-def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
-    """Runs one worker process; returns its result dict with wall_s, exit_code, status."""
+def start_one(a, model, allocator, logdir, trace_path=None, rnd=1, baton=None):
+    """Starts one worker process; returns what finish_one needs. baton: the worker's (IN, OUT) pipe
+    ends of --lockstep's turns."""
     tag = "%s-%s" % (model, allocator) + ("" if rnd == 1 else "-r%d" % rnd)
-    result_path = os.path.join(logdir, tag + ".json")
-    log_path = os.path.join(logdir, tag + ".log")
+    w = {"model": model, "allocator": allocator, "result": os.path.join(logdir, tag + ".json"),
+         "log_path": os.path.join(logdir, tag + ".log")}
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model, "--allocator", allocator,
-           "--mode", a.mode, "--result", result_path, "--attn", a.attn, "--moe-experts", a.moe_experts,
+           "--mode", a.mode, "--result", w["result"], "--attn", a.attn, "--moe-experts", a.moe_experts,
            "--generate-passes", str(a.generate_passes)]
     if a.profile_step is not None:
         cmd += ["--profile-step", str(a.profile_step)]
@@ -1446,30 +1511,45 @@ def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
         cmd += ["--cpus", a.cpus]
     if a.nondeterministic:
         cmd.append("--nondeterministic")
-    t0 = time.perf_counter()
-    timed_out = False
-    with open(log_path, "w") as log:
-        p = subprocess.Popen(cmd, env=child_env(allocator, a, trace_path), stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    if baton:
+        cmd += ["--baton", "%d,%d" % baton]
+    w["t0"] = time.perf_counter()
+    with open(w["log_path"], "w") as log:
+        w["p"] = subprocess.Popen(cmd, env=child_env(allocator, a, trace_path), stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True, pass_fds=baton or ())
+    return w
+
+
+def stop_one(w):
+    """Kills a worker and anything it started."""
+    try:
+        os.killpg(w["p"].pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def finish_one(a, w, timeout, timed_out=None):
+    """Waits for a started worker (killing it past timeout); returns its result dict with wall_s,
+    exit_code, status. timed_out: the caller already stopped it for running too long."""
+    p = w["p"]
+    if timed_out is None:
+        timed_out = False
         try:
-            rc = p.wait(timeout=max(1.0, timeout))
+            p.wait(timeout=max(1.0, timeout))
         except subprocess.TimeoutExpired:
             timed_out = True
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the worker and anything it started
-            except ProcessLookupError:
-                pass
-            rc = p.wait()
-    wall = time.perf_counter() - t0
-    res = {"model": model, "allocator": allocator, "status": "error"}
-    if os.path.exists(result_path):
+            stop_one(w)
+    rc = p.wait()
+    wall = time.perf_counter() - w["t0"]
+    res = {"model": w["model"], "allocator": w["allocator"], "status": "error"}
+    if os.path.exists(w["result"]):
         try:
-            with open(result_path) as f:
+            with open(w["result"]) as f:
                 res = json.load(f)
         except ValueError as e:
             res["error"] = "unreadable result: %s" % e
     res["wall_s"], res["exit_code"] = wall, rc
-    with open(log_path, errors="replace") as f:
+    with open(w["log_path"], errors="replace") as f:
         tail = f.read()[-3000:]
     if a.verbose:
         print(tail, flush=True)
@@ -1483,6 +1563,72 @@ def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
         res["error"] = "exit %d without a result (killed? see the log tail)" % rc
     if res.get("status") not in ("ok", "skipped"):
         res["log_tail"] = tail
+    return res
+
+
+def run_one(a, model, allocator, timeout, logdir, trace_path=None, rnd=1):
+    """Runs one worker process; returns its result dict with wall_s, exit_code, status."""
+    return finish_one(a, start_one(a, model, allocator, logdir, trace_path, rnd), timeout)
+
+
+def pass_turns(ready, go, deadline):
+    """--lockstep's driver side: ready[i] / go[i] are the pipes from and to worker i. Turn k goes
+    to the workers in the order 0 1 on even k, 1 0 on odd k, each after it says it is ready, and the
+    next only after it says done; a worker whose pipe closed (it exited) is passed over. Returns
+    False past the deadline (the caller stops both)."""
+    live = [True] * len(ready)
+
+    def read(i):
+        left = deadline - time.perf_counter()
+        if left <= 0 or not select.select([ready[i]], [], [], left)[0]:
+            return None
+        return os.read(ready[i], 1)
+
+    k = 0
+    while any(live):
+        for i in (range(len(ready)) if k % 2 == 0 else reversed(range(len(ready)))):
+            if not live[i]:
+                continue
+            m = read(i)
+            if m == b"r":
+                try:
+                    os.write(go[i], b"g")
+                except BrokenPipeError:
+                    m = b""
+                else:
+                    m = read(i)
+            if m is None:
+                return False
+            if m != b"d":  # closed: the worker exited (or broke the protocol, which ends its turns)
+                live[i] = False
+        k += 1
+    return True
+
+
+def run_pair(a, model, allocators, timeout, logdir, rnd):
+    """--lockstep: both allocators' workers at once, taking turns (pass_turns); their results in
+    the order given."""
+    workers, mine = [], []
+    for alloc in allocators:
+        turn_r, turn_w = os.pipe()  # driver -> worker: the turn
+        msg_r, msg_w = os.pipe()  # worker -> driver: ready, done
+        workers.append(start_one(a, model, alloc, logdir, None, rnd, baton=(turn_r, msg_w)))
+        os.close(turn_r)
+        os.close(msg_w)
+        mine.append((msg_r, turn_w))
+    ok = pass_turns([r for r, _ in mine], [g for _, g in mine], time.perf_counter() + timeout)
+    for w in workers:
+        if not ok:
+            stop_one(w)
+    for r, g in mine:
+        os.close(r)
+        os.close(g)
+    left = max(1.0, timeout - (time.perf_counter() - workers[0]["t0"]))
+    res = [finish_one(a, w, left, None if ok else True) for w in workers]
+    for r in res:
+        if r.get("status") == "timeout":
+            r["error"] = ("killed after %.0f s, the pair's time limit (under --lockstep each process waits "
+                          "for the other's turns)" % timeout)
     return res
 
 
@@ -1574,15 +1720,21 @@ def driver(a):
     # Even rounds run the allocators in reverse order (A B, B A, A B ...): neither always runs
     # first, after a build or another model's process.
     order = lambda r: a.allocators if r % 2 == 1 else a.allocators[::-1]
+    pending = []  # --lockstep: the second result of a pair run together
     for rnd, model, alloc in ((r, m, al) for r in range(1, a.rounds + 1) for m in a.models for al in order(r)):
         elapsed = time.perf_counter() - T_START
-        est = slowest.get(model, MODELS[model][a.mode]["estimate_s"])
+        # --lockstep: a pair's processes run at once, each about as long as both one after the other.
+        est = slowest.get(model, MODELS[model][a.mode]["estimate_s"] * (2 if a.lockstep else 1))
         left = (a.budget - elapsed) if a.budget else None
         if skip77:
             runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
                          "reason": "no torch/CUDA"})
             continue
-        if left is not None and est > left:
+        if a.lockstep and alloc != order(rnd)[0] and not pending:
+            runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
+                         "reason": "--lockstep: the pair's first process was skipped"})
+            continue
+        if not pending and left is not None and est > left:
             runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
                          "reason": "time budget (~%.0f s needed, %.0f s left)" % (est, max(0, left))})
             print("[%4.0fs] %-6s %-10s skipped: ~%.0f s does not fit the %.0f s left of the budget" % (
@@ -1592,7 +1744,14 @@ def driver(a):
         tpath = None
         if trace_dir and model in a.trace_models and alloc == "vmmalloc" and rnd == 1:
             tpath = os.path.join(trace_dir, "%s-vmmalloc.trace" % model)
-        r = run_one(a, model, alloc, limit, logdir, tpath, rnd)
+        if pending:
+            r = pending.pop()
+        elif a.lockstep:
+            limit = min(2 * a.run_timeout, left if left is not None else 2 * a.run_timeout)
+            r, second = run_pair(a, model, order(rnd), limit, logdir, rnd)
+            pending.append(second)
+        else:
+            r = run_one(a, model, alloc, limit, logdir, tpath, rnd)
         r["round"] = rnd
         if r.get("status") == "skipped" and r.get("exit77"):
             skip77 = True
@@ -1647,8 +1806,9 @@ def driver(a):
             "loss_rtol": a.loss_rtol, "attn": a.attn, "moe_experts": a.moe_experts,
             "settings": "%s attention, %s, bf16 autocast, AdamW%s" % (
                 a.attn, "nondeterministic" if a.nondeterministic else "deterministic algorithms",
-                ", processes pinned to CPUs %s" % a.cpus if a.cpus else ""),
-            "cpus": a.cpus,
+                ", processes pinned to CPUs %s" % a.cpus if a.cpus else "") +
+            (", each round's two processes at once, taking turns (--lockstep)" if a.lockstep else ""),
+            "cpus": a.cpus, "lockstep": a.lockstep,
             "workloads": {m: MODELS[m][a.mode] for m in a.models}}
     total = time.perf_counter() - T_START
     result = {"meta": meta, "runs": runs, "comparisons": comparisons, "failures": failures, "notes": notes,
@@ -1704,6 +1864,10 @@ def parse(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="run every model and allocator this many times, "
                    "round after round (even rounds in reverse allocator order); a table gives the medians and "
                    "each round's ratios to the first allocator")
+    p.add_argument("--lockstep", action="store_true", help="with two allocators: run each round's two "
+                   "processes at once, passing a turn between them for every step, generate() call and GPU "
+                   "stretch (A B B A ...): a drift of the machine's speed falls on both (both must fit the "
+                   "device together)")
     p.add_argument("--generate-passes", type=int, help="times the generate() calls run in one process; the "
                    "table shows the last pass and the first in brackets (default 2 --full, 1 --quick)")
     p.add_argument("--nondeterministic", action="store_true", help="leave PyTorch's deterministic settings off")
@@ -1715,6 +1879,7 @@ def parse(argv=None):
     p.add_argument("--allocator", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--baton", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         a.generate_passes = a.generate_passes or 1
@@ -1739,6 +1904,10 @@ def parse(argv=None):
         p.error("--generate-passes must be at least 1")
     if a.rounds < 1:
         p.error("--rounds must be at least 1")
+    if a.lockstep and len(a.allocators) != 2:
+        p.error("--lockstep runs two allocators' processes together: give --allocators A,B")
+    if a.lockstep and a.trace:
+        p.error("--lockstep and --trace: a recorded run's timings include the recording; run them apart")
     if a.cpus:
         try:
             cpus = parse_cpus(a.cpus)

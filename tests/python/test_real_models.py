@@ -471,6 +471,41 @@ class Driver(unittest.TestCase):
         self.assertEqual(p.returncode, 2)
         self.assertIn("may run on CPUs", p.stderr)
 
+    def test_lockstep_pairs_take_turns(self):
+        text, res, out = self.run_suite({}, "--models", "bert,llama", "--allocators", "expandable,vmmalloc",
+                                        "--rounds", "2", "--lockstep", "--alloc-probe", expect_rc=0)
+        self.assertEqual([(r["model"], r["allocator"], r["round"]) for r in res["runs"]],
+                         [(m, a, n) for n in (1, 2) for m in ("bert", "llama")
+                          for a in (("expandable", "vmmalloc") if n == 1 else ("vmmalloc", "expandable"))])
+        self.assertIn("taking turns (--lockstep)", res["meta"]["settings"])
+        for n in (1, 2):
+            first = "e" if n == 1 else "v"
+            for m, turns in (("bert", 5), ("llama", 7)):  # init, the steps, generate() calls, the probes
+                pair = [r for r in res["runs"] if r["model"] == m and r["round"] == n]
+                self.assertEqual([r["lockstep"]["turns"] for r in pair], [turns, turns])
+                self.assertNotIn("device_used", pair[0])  # the device is shared: not reported
+                spans = sorted((s[0], s[1], r["allocator"][0]) for r in pair for s in r["turn_spans"])
+                for (_, end, _), (start, _, _) in zip(spans, spans[1:]):
+                    self.assertLessEqual(end, start)  # one process at a time
+                other = "v" if first == "e" else "e"
+                self.assertEqual("".join(c for _, _, c in spans), ((first + other + other + first) * turns)[:2 * turns])
+
+    def test_lockstep_hang_stops_its_pair_and_the_rest_runs(self):
+        text, res, _ = self.run_suite({"hang": ["bert/vmmalloc"]}, "--models", "bert,llama", "--allocators",
+                                      "expandable,vmmalloc", "--lockstep", "--run-timeout", "3", expect_rc=1)
+        st = {(r["model"], r["allocator"]): r["status"] for r in res["runs"]}
+        self.assertEqual(st, {("bert", "expandable"): "timeout", ("bert", "vmmalloc"): "timeout",
+                              ("llama", "expandable"): "ok", ("llama", "vmmalloc"): "ok"})
+        self.assertIn("bert / vmmalloc timeout: killed after 6 s, the pair's time limit", "\n".join(res["failures"]))
+
+    def test_lockstep_needs_two_allocators(self):
+        for extra in (["--allocators", "caching,expandable,vmmalloc"], ["--allocators", "expandable,vmmalloc",
+                                                                      "--trace", "/tmp/x"]):
+            p = subprocess.run([sys.executable, SCRIPT, "--quick", "--lockstep"] + extra,
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(p.returncode, 2)
+            self.assertIn("--lockstep", p.stderr)
+
     def test_no_cuda_is_a_skip(self):
         text, res, _ = self.run_suite({"skip77": True}, expect_rc=77)
         self.assertIn("skipped", text)

@@ -68,7 +68,7 @@ through vmmalloc and cudaMallocAsync so the replay's peaks can be set beside the
 
 --lockstep (with two allocators) runs each round's two processes at once and passes a turn between
 them: each training step, each generate() call and each stretch that uses the GPU untimed (init,
-the probes) runs only while its process holds the turn, in the order A B B A A B ... So both
+the probes, the exit) runs only while its process holds the turn, in the order A B B A A B ... So both
 processes meet the machine in the same seconds: a drift of its speed over minutes (expandable
 segments' GPT-2 step ranged over 1.58 x between processes run one after the other) falls on both
 alike, though a difference between the two processes themselves does not cancel. Both processes'
@@ -1183,6 +1183,9 @@ def run_workload(a, res, save, torch, transformers, t0):
     print("RESULT %s / %s: held %s GiB, allocated %s GiB, train %.2f s, generate %.2f s" % (
         a.model, a.allocator, gib(res["held_peak"]), gib(res["alloc_peak"]), res["train_s"],
         res.get("generate_s", 0.0)), flush=True)
+    # --lockstep: the last turn is kept to the end, so the process's CUDA teardown (unmapping and
+    # freeing all it held) runs in no turn of the other's.
+    baton.take()
     return 0
 
 
@@ -1465,6 +1468,8 @@ def fake_worker(a, res, save):
             with open(os.environ["VMMALLOC_TRACE"], "w") as f:
                 f.write("# vmmalloc-trace v2 fake\na 10 100 0 1 0\nf 10 100 0 1 5\n")
     save()
+    if a.baton:
+        baton.take()  # kept to the exit, as the real worker's last turn
     return 0
 
 

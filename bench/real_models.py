@@ -1731,31 +1731,31 @@ def driver(a):
         # --lockstep: a pair's processes run at once, each about as long as both one after the other.
         est = slowest.get(model, MODELS[model][a.mode]["estimate_s"] * (2 if a.lockstep else 1))
         left = (a.budget - elapsed) if a.budget else None
-        if skip77:
+        tpath = None
+        if pending:  # ran with the one before it
+            r = pending.pop()
+        elif skip77:
             runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
                          "reason": "no torch/CUDA"})
             continue
-        if a.lockstep and alloc != order(rnd)[0] and not pending:
+        elif a.lockstep and alloc != order(rnd)[0]:
             runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
                          "reason": "--lockstep: the pair's first process was skipped"})
             continue
-        if not pending and left is not None and est > left:
+        elif left is not None and est > left:
             runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
                          "reason": "time budget (~%.0f s needed, %.0f s left)" % (est, max(0, left))})
             print("[%4.0fs] %-6s %-10s skipped: ~%.0f s does not fit the %.0f s left of the budget" % (
                 elapsed, model, run_label(runs[-1]), est, max(0, left)), flush=True)
             continue
-        limit = a.run_timeout if left is None else min(a.run_timeout, left)
-        tpath = None
-        if trace_dir and model in a.trace_models and alloc == "vmmalloc" and rnd == 1:
-            tpath = os.path.join(trace_dir, "%s-vmmalloc.trace" % model)
-        if pending:
-            r = pending.pop()
         elif a.lockstep:
             limit = min(2 * a.run_timeout, left if left is not None else 2 * a.run_timeout)
             r, second = run_pair(a, model, order(rnd), limit, logdir, rnd)
             pending.append(second)
         else:
+            limit = a.run_timeout if left is None else min(a.run_timeout, left)
+            if trace_dir and model in a.trace_models and alloc == "vmmalloc" and rnd == 1:
+                tpath = os.path.join(trace_dir, "%s-vmmalloc.trace" % model)
             r = run_one(a, model, alloc, limit, logdir, tpath, rnd)
         r["round"] = rnd
         if r.get("status") == "skipped" and r.get("exit77"):

@@ -498,6 +498,15 @@ class Driver(unittest.TestCase):
                               ("llama", "expandable"): "ok", ("llama", "vmmalloc"): "ok"})
         self.assertIn("bert / vmmalloc timeout: killed after 6 s, the pair's time limit", "\n".join(res["failures"]))
 
+    def test_lockstep_skips_whole_pairs(self):
+        text, res, _ = self.run_suite({}, "--models", "bert,llama", "--allocators", "expandable,vmmalloc",
+                                      "--lockstep", "--budget", "10", expect_rc=1)  # a pair needs ~50 s
+        self.assertEqual([(r["allocator"], r["status"], r["reason"][:12]) for r in res["runs"]],
+                         [("expandable", "skipped", "time budget "), ("vmmalloc", "skipped", "--lockstep: ")] * 2)
+        text, res, _ = self.run_suite({"skip77": True}, "--models", "bert,llama", "--allocators",
+                                      "expandable,vmmalloc", "--lockstep", expect_rc=77)
+        self.assertIn("real_models: skipped: no CUDA device", text)
+
     def test_lockstep_needs_two_allocators(self):
         for extra in (["--allocators", "caching,expandable,vmmalloc"], ["--allocators", "expandable,vmmalloc",
                                                                       "--trace", "/tmp/x"]):

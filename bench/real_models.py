@@ -1622,8 +1622,8 @@ def run_pair(a, model, allocators, timeout, logdir, rnd):
         os.close(msg_w)
         mine.append((msg_r, turn_w))
     ok = pass_turns([r for r, _ in mine], [g for _, g in mine], time.perf_counter() + timeout)
-    for w in workers:
-        if not ok:
+    if not ok:
+        for w in workers:
             stop_one(w)
     for r, g in mine:
         os.close(r)
@@ -1725,15 +1725,15 @@ def driver(a):
     # Even rounds run the allocators in reverse order (A B, B A, A B ...): neither always runs
     # first, after a build or another model's process.
     order = lambda r: a.allocators if r % 2 == 1 else a.allocators[::-1]
-    pending = []  # --lockstep: the second result of a pair run together
+    pending = None  # --lockstep: the second result of a pair run together
     for rnd, model, alloc in ((r, m, al) for r in range(1, a.rounds + 1) for m in a.models for al in order(r)):
         elapsed = time.perf_counter() - T_START
         # --lockstep: a pair's processes run at once, each about as long as both one after the other.
         est = slowest.get(model, MODELS[model][a.mode]["estimate_s"] * (2 if a.lockstep else 1))
         left = (a.budget - elapsed) if a.budget else None
         tpath = None
-        if pending:  # ran with the one before it
-            r = pending.pop()
+        if pending is not None:  # ran with the one before it
+            r, pending = pending, None
         elif skip77:
             runs.append({"model": model, "allocator": alloc, "round": rnd, "status": "skipped",
                          "reason": "no torch/CUDA"})
@@ -1750,8 +1750,7 @@ def driver(a):
             continue
         elif a.lockstep:
             limit = min(2 * a.run_timeout, left if left is not None else 2 * a.run_timeout)
-            r, second = run_pair(a, model, order(rnd), limit, logdir, rnd)
-            pending.append(second)
+            r, pending = run_pair(a, model, order(rnd), limit, logdir, rnd)
         else:
             limit = a.run_timeout if left is None else min(a.run_timeout, left)
             if trace_dir and model in a.trace_models and alloc == "vmmalloc" and rnd == 1:

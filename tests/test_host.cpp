@@ -693,6 +693,7 @@ TEST_CASE("after a trim, growths create handles of one page; later ones of max_h
   // the next trim can give back every wholly free page; after them, max_handle again.
   vmm::tuning t;
   t.trim_growths = 3;
+  t.trim_own_handle = 0;  // pages for every request
   auto [hb, a] = vmm::test::make_host_alloc(heap_only_options(), t);
   const std::size_t n = 32 * MiB;
   REQUIRE(n < t.huge_threshold);
@@ -725,12 +726,55 @@ TEST_CASE("after a trim, growths create handles of one page; later ones of max_h
   CHECK(hb->live_handles() == 0);
 }
 
+TEST_CASE("after a trim, a request of trim_own_handle or more grows by one handle of its size, which the next trim gives back in one release") {
+  // Pages for a 16 MiB request (8 creates), one handle for a 48 MiB span request and one for a
+  // 160 MiB huge request; freed, each of the large blocks goes back whole at the next trim.
+  vmm::tuning t;
+  auto [hb, a] = vmm::test::make_host_alloc(heap_only_options(), t);
+  REQUIRE(t.trim_own_handle == 32 * MiB);
+  const std::size_t small = 16 * MiB, span = 48 * MiB, huge = 160 * MiB;
+  REQUIRE((span < t.huge_threshold && huge >= t.huge_threshold));
+  a.deallocate(a.allocate(small));
+  a.trim(0);
+  REQUIRE(a.stats().physical == 0);
+  auto grow = [&](std::size_t bytes, std::uint64_t creates) {
+    const auto c0 = a.stats().calls.create;
+    void* p = a.allocate(bytes);
+    REQUIRE(p != nullptr);
+    CHECK(a.stats().calls.create - c0 == creates);
+    host_traits::fill(p, bytes, 7);
+    CHECK(host_traits::verify(p, bytes, 7));
+    return p;
+  };
+  void* s = grow(small, small / (2 * MiB));
+  void* m = grow(span, 1);
+  void* h = grow(huge, 1);
+  CHECK(a.stats().physical == small + span + huge);
+  CHECK(a.check() == "");
+  for (void* p : {m, h}) {
+    const auto before = a.stats();
+    a.deallocate(p);
+    a.trim(0);
+    const auto after = a.stats();
+    CHECK(after.calls.release - before.calls.release == 1);
+    CHECK(before.physical - after.physical == (p == m ? span : huge));
+    CHECK(host_traits::verify(s, small, 7));
+  }
+  CHECK(a.stats().physical == small);
+  CHECK(a.check() == "");
+  a.deallocate(s);
+  a.trim(0);
+  CHECK(a.stats().physical == 0);
+  CHECK(hb->live_handles() == 0);
+}
+
 TEST_CASE("a growth maps idle handles that fill whole pieces; smaller ones are released, the range created whole") {
   // Sixteen one-page handles (a growth after a trim) go idle when their block is freed and a
   // larger request evicts them: the growth creates handles of max_handle (16 MiB) instead of
   // mapping the pages, each of which would cost a mapping every time its memory moves again.
   vmm::tuning t;
   t.trim_growths = 1;
+  t.trim_own_handle = 0;  // the growth after the trim in pages
   auto [hb, a] = vmm::test::make_host_alloc(heap_only_options(), t);
   const std::size_t n = 32 * MiB;
   REQUIRE(2 * n < t.huge_threshold);

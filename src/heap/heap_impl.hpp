@@ -278,16 +278,19 @@ struct heap::impl {
   bool limited() const {
     return a.tune().limit_chunk && !whole_chunks() && a.memory_limit() != std::numeric_limits<std::size_t>::max();
   }
-  // Largest handle a growth creates (0: one handle): for the spans, and for huge blocks (an
-  // exportable block is one handle: each would cost an export). One page for the growths that
-  // follow a trim (tuning::trim_growths).
-  std::size_t span_piece() const {
-    const std::size_t h = a.tune().max_handle, l = limited() ? a.tune().limit_chunk : 0;
-    if (h && st.trims && st.grows - grows_at_trim < a.tune().trim_growths) return G;
+  // Largest handle a growth for `need` new bytes creates (0: one handle): for the spans, and for
+  // huge blocks (an exportable block is one handle: each would cost an export). One page for the
+  // growths that follow a trim, or `need` whole for a large request (tuning::trim_growths,
+  // trim_own_handle).
+  std::size_t span_piece(std::size_t need) const {
+    const tuning& t = a.tune();
+    const std::size_t h = t.max_handle, l = limited() ? t.limit_chunk : 0;
+    if (h && st.trims && st.grows - grows_at_trim < t.trim_growths)
+      return !l && t.trim_own_handle && need >= t.trim_own_handle ? need : G;
     return h && l ? std::min(h, l) : h | l;
   }
   std::uint64_t grows_at_trim = 0;  // st.grows at the last trim
-  std::size_t huge_piece() const { return whole_chunks() ? 0 : span_piece(); }
+  std::size_t huge_piece(std::size_t need) const { return whole_chunks() ? 0 : span_piece(need); }
 
   // ---- block pool and page chains ----
   block* new_block();

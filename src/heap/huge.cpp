@@ -103,7 +103,7 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
       bool pressed = false;
       status e = prepare_growth(size - b->size, x, pressed);
       result<std::uintptr_t> r{0, e};
-      if (e.ok()) r = a.map_range(size - b->size, end, kOwnerHuge, x, nullptr, hid, huge_piece(), pressed);
+      if (e.ok()) r = a.map_range(size - b->size, end, kOwnerHuge, x, nullptr, hid, huge_piece(size - b->size), pressed);
       if (pressed) a.release_idle(0);
       if (r.ok()) {
         extending.emplace(end, b);
@@ -142,7 +142,7 @@ result<heap::impl::block*> heap::impl::allocate_huge(std::size_t n, std::size_t 
   // never split or reused, and each handle would cost an export: one handle, exactly its size.
   // Otherwise a retired handle larger than the request may be mapped whole (`got`): its memory is
   // held until its old range goes anyway; what is left beyond the request joins the spans.
-  const std::size_t piece = huge_piece();
+  const std::size_t piece = huge_piece(size);
   const std::size_t d = whole_chunks() ? 0 : a.tune().huge_headroom_div;
   const std::size_t headroom = d ? size / d + G : 0;  // room to grow in place later
   std::size_t got = size;

@@ -200,7 +200,7 @@ status heap::impl::grow(std::size_t need, stream_t x) {
   std::size_t want = ext;
   if (join_at) at = join_at, want = ext = join_ext;
   else if (want < geo && (!found || a.hole_at(at, geo))) want = geo;
-  const std::size_t piece = span_piece();
+  const std::size_t piece = span_piece(ext);
   std::size_t got = 0;  // more than asked when a retired handle larger than the rest is mapped whole
   auto plan = [&](std::size_t n, std::uintptr_t where) { return a.map_range(n, where, kOwnerSpan, x, &got, hid, piece, pressed); };
   auto r = plan(want, at);

@@ -34,8 +34,9 @@
 //  * --hot N: that untimed pass also lists the N events whose call made the most driver calls
 //    (vmmalloc's stats before and after each event): which requests grow or move memory.
 //  * Threads (v2 traces): one replay thread per recorded thread, event i only after event i-1 has
-//    returned (replay_pass.hpp); --threads one replays on one thread. The hand-offs are harness
-//    cost: the null allocator pays them too, so "net of null" removes them.
+//    returned, each thread alive until the pass ends (replay_pass.hpp); --threads one replays on
+//    one thread. The hand-offs are harness cost: the null allocator pays them too, so "net of
+//    null" removes them.
 //  * --lag N: each stream's work stays N events behind the CPU (host backend: held fences; CUDA:
 //    gate kernels), for stream-ordered allocators; every pass (warm-up, timed, sampling) alike.
 //  * --option NAME=VALUE (repeatable): one of vmmalloc's options (README.md's table), parsed by

@@ -455,10 +455,14 @@ class pass {
       if (!step<Lag, Hook>(h, i)) return abort_all();
       if (i + 1 == n_) {
         at_stop(n_);
-        return;
+        return abort_all();  // wakes the threads waiting below
       }
       if (t_.thread[i + 1] != k) pass_turn(i + 1);
     }
+    // A thread whose events are done stays until the pass ends, as a process's threads do: its
+    // exit (its thread cache going back) would otherwise land between the other threads' events
+    // where the scheduler puts it, and the same trace would replay to different results.
+    for (std::uint64_t v; (v = me.go.load(std::memory_order_acquire)) != kAbort;) me.go.wait(v, std::memory_order_acquire);
   }
 
   void threaded(clk::time_point& t0, bool lag, bool hook) {

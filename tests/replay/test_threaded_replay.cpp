@@ -91,6 +91,14 @@ class spy_peer final : public peer {
 
 const std::vector<void*> kOneStream{nullptr};
 
+// One pass of t through p on the recorded threads of s, one stream; the blocks land in ptr.
+pass_result replay_threaded(peer& p, const trace& t, const schedule& s, std::vector<void*>& ptr) {
+  ptr.assign(t.slots, nullptr);
+  pass_opts o;
+  o.sched = &s;
+  return run_pass(p, t, kOneStream, ptr, o);
+}
+
 std::vector<void*> host_streams(const trace& t) {
   std::vector<void*> s(t.stream_ids.size(), nullptr);
   for (std::size_t k = 0; k < s.size(); ++k)
@@ -121,10 +129,8 @@ TEST_CASE("threaded replay performs every event in the recorded order, each on i
     REQUIRE(s.threads == 4);
     REQUIRE(s.handoffs > 100);
     spy_peer spy;
-    std::vector<void*> ptr(t.slots);
-    pass_opts o;
-    o.sched = &s;
-    pass_result r = run_pass(spy, t, kOneStream, ptr, o);
+    std::vector<void*> ptr;
+    pass_result r = replay_threaded(spy, t, s, ptr);
     REQUIRE(r.exit_code == 0);
     REQUIRE(spy.calls.size() == t.events.size());
     std::size_t out_of_order = 0, wrong_thread = 0;
@@ -208,10 +214,8 @@ TEST_CASE("a replay thread whose events are done stays until the pass ends") {
   REQUIRE(s.threads == 2);
   exit_spy spy;
   spy.slow_size = 64;
-  std::vector<void*> ptr(t.slots);
-  pass_opts o;
-  o.sched = &s;
-  pass_result r = run_pass(spy, t, kOneStream, ptr, o);
+  std::vector<void*> ptr;
+  pass_result r = replay_threaded(spy, t, s, ptr);
   REQUIRE(r.exit_code == 0);
   CHECK(spy.calls.load() == t.events.size());
   REQUIRE(spy.calls_at_exit.size() == 2);
@@ -224,10 +228,8 @@ TEST_CASE("a failure on one replay thread stops every thread and names the event
       "# vmmalloc-trace v2\na 1 8 0 7 0\na 2 8 0 8 1\na 3 8 0 9 2\na 4 0 0 8 3\nf 1 8 0 9 4\nf 2 8 0 7 5\n");
   schedule s = make_schedule(t, true);
   auto a = make_vmmalloc_host(std::size_t{1} << 30);
-  std::vector<void*> ptr(t.slots);
-  pass_opts o;
-  o.sched = &s;
-  pass_result r = run_pass(*a, t, kOneStream, ptr, o);
+  std::vector<void*> ptr;
+  pass_result r = replay_threaded(*a, t, s, ptr);
   CHECK(r.exit_code == 3);
   CHECK(r.failure.find("allocation failed at event 3 (line 5: a 4 0 0 8 3") == 0);
   for (int k = 0; k < 3; ++k) CHECK(a->deallocate(ptr[t.events[k].id], 8, nullptr));

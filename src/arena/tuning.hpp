@@ -41,7 +41,8 @@ struct tuning {
   // block that large is seldom split before the next trim, and it goes back in one call. The CNN's
   // replay: 1.014 x its live peak with 17,117 driver calls, against 60,776 with a handle a page;
   // 16 MiB: 1.017 with 8,354. In the CNN's process on an H100: 56-78 ms of driver calls and fences
-  // a step instead of 179-181. Not under a memory limit (limit_chunk). 0: pages for every request.
+  // a step, 179-181 with pages for every request. Not under a memory limit (limit_chunk). 0: pages
+  // for every request.
   std::size_t trim_own_handle = std::size_t{32} << 20;
   // A huge block is placed with this fraction of its size (and one granularity page) of unmapped
   // VA after it, from the top of the reservation down, so that a freed block a little smaller

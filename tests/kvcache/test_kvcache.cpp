@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/bulk_bytes.hpp"
 #include "support/fault_backend.hpp"
 #include "support/pattern.hpp"
 #include "vmmalloc/kv_cache.hpp"
@@ -77,7 +78,8 @@ std::uint8_t pat(std::uint64_t tag, std::size_t buf, std::size_t T, std::size_t 
   return vmm::test::pattern_byte(tag * 1000 + buf, t * T + i);
 }
 
-void write_tokens(kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t t0, std::size_t t1) {
+// The test's own data in the cache's pages: uninstrumented under TSan (support/bulk_bytes.hpp).
+VMM_TEST_BULK void write_tokens(kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t t0, std::size_t t1) {
   const std::size_t T = kv.token_bytes(), R = kv.token_stride();
   for (std::size_t b = 0; b < nbuf(kv); ++b) {
     unsigned char* p = buf_ptr(kv, s, b);
@@ -87,7 +89,7 @@ void write_tokens(kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t t0
 }
 
 // Number of wrong bytes among those write_tokens wrote for [t0, n).
-std::size_t check_tokens(const kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t n, std::size_t t0 = 0) {
+VMM_TEST_BULK std::size_t check_tokens(const kv_cache& kv, vmm::seq_id s, std::uint64_t tag, std::size_t n, std::size_t t0 = 0) {
   const std::size_t T = kv.token_bytes(), R = kv.token_stride();
   std::size_t bad = 0;
   for (std::size_t b = 0; b < nbuf(kv); ++b) {

@@ -8,7 +8,7 @@
 // wrong unmap shows up as a mismatch. Coverage (stated honestly): blocks of at most `full_limit`
 // bytes (64 KiB by default) are filled and checked in full. Larger blocks: the first 4 KiB, the
 // last 4 KiB, one 4 KiB window at an id-derived offset in the middle, and 64 bytes at every 1 MiB
-// boundary in between. Under TSan the fills and checks are uninstrumented (bulk_bytes.hpp says why).
+// boundary in between.
 #pragma once
 
 #include <algorithm>
@@ -16,8 +16,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-#include "bulk_bytes.hpp"
 
 #if defined(__CUDACC__)
 #define VMM_TEST_HD __host__ __device__
@@ -69,7 +67,7 @@ inline std::vector<region> pattern_regions(std::size_t size, std::uint64_t id,
   return r;
 }
 
-VMM_TEST_BULK inline void fill_region(unsigned char* p, std::size_t off, std::size_t len, std::uint64_t seed) {
+inline void fill_region(unsigned char* p, std::size_t off, std::size_t len, std::uint64_t seed) {
   std::size_t o = off, end = off + len;
   for (; o < end && o % 8; ++o) p[o] = pattern_byte(seed, o);
   for (; o + 8 <= end; o += 8) {
@@ -80,7 +78,7 @@ VMM_TEST_BULK inline void fill_region(unsigned char* p, std::size_t off, std::si
 }
 
 // Returns the offset of the first wrong byte, or SIZE_MAX when the region is intact.
-VMM_TEST_BULK inline std::size_t check_region(const unsigned char* p, std::size_t off, std::size_t len,
+inline std::size_t check_region(const unsigned char* p, std::size_t off, std::size_t len,
                                 std::uint64_t seed) {
   std::size_t o = off, end = off + len;
   for (; o < end && o % 8; ++o)

@@ -23,7 +23,6 @@
 #include "support/host_alloc.hpp"
 #include "support/marks.hpp"
 #include "support/pattern.hpp"
-#include "support/tsan.hpp"
 
 namespace {
 
@@ -379,8 +378,7 @@ using vmm::test::wrong_marks;
 // The GPU race program's failure, on the host: a kernel still queued on stream S writes the block
 // S freed after the allocator handed that memory to another stream. Held streams' kernels
 // (host_backend::launch) land when the stream completes; every block is checked before its free.
-TEST_CASE("streams: work queued on a held stream never lands in another stream's block (growth under a limit)" *
-          doctest::skip(vmm::test::under_tsan)) {  // one thread
+TEST_CASE("streams: work queued on a held stream never lands in another stream's block (growth under a limit)") {
   // Seeds whose runs met the fault before the fix (of 1-16 at 3,000 operations: 2, 4, 5, 10, 12, 15).
   for (std::uint64_t seed : {5, 10, 12, 15}) {
     CAPTURE(seed);

@@ -22,7 +22,6 @@
 
 #include "support/fault_backend.hpp"
 #include "support/pattern.hpp"
-#include "support/tsan.hpp"
 #include "vmmalloc/kv_cache.hpp"
 
 namespace {
@@ -526,8 +525,7 @@ TEST_CASE("fault injection: a refused unmap is retried, then parked; nothing lea
   CHECK(f.st->nothing_live());
 }
 
-TEST_CASE("random open / append / truncate / close against a model" *
-          doctest::skip(vmm::test::under_tsan)) {  // one thread: no map-ahead
+TEST_CASE("random open / append / truncate / close against a model") {
   auto cfg = small_cfg(6, 1000);
   cfg.pool_keep_pages = 16;
   for (std::uint64_t seed : {1u, 2u, 3u, 4u}) {
